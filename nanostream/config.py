@@ -1,0 +1,111 @@
+"""Engine configuration: one frozen dataclass, the single source of defaults.
+
+``EngineConfig`` holds what the user asked for ("auto" where the engine decides).
+``EngineConfig.resolve`` returns a new, concrete config once the model and the device are known;
+nothing is written back into an existing instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine. Names follow vLLM where vLLM has the setting.
+
+    Example::
+
+        EngineConfig(model="/models/Qwen3-0.6B", max_num_seqs=64, kvcache_block_size=16)
+    """
+
+    model: str
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the model directory."""
+    max_num_seqs: int = 256
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one engine step; longer prompts are prefilled in chunks."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to (and is clamped to) the model's max_position_embeddings."""
+    kvcache_block_size: int = 256
+    """Tokens per KV-cache block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes of KV cache. Overrides gpu_memory_utilization; on CPU the default is 1 GiB."""
+    num_kvcache_blocks: int | None = None
+    """Exact number of KV blocks; overrides both memory settings."""
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    """auto: bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu. Any torch device string ("cuda:1") is accepted."""
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    """Run the model eagerly (no CUDA graphs)."""
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    """Seeds the sampling of requests that bring no seed of their own."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a model directory or hub id, got {self.model!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
+            positive(name)
+        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kvcache_blocks"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}) so that every running request can decode in each step; "
+                "raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build a config, naming the valid keys when an unknown one is given."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(sorted(known - {'model'}))}"
+            )
+        return cls(model=model, **kwargs)
+
+    def resolve(self, *, max_position_embeddings: int, cuda_available: bool) -> EngineConfig:
+        """A copy with device, dtype and max_model_len made concrete for this model and machine."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if cuda_available else "cpu"
+        if device.startswith("cuda") and not cuda_available:
+            raise ValueError(f"device={self.device!r} but no CUDA GPU is available; use device='cpu'")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        max_model_len = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_model_len)

@@ -1,0 +1,81 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only when it is final: never half a UTF-8 character (a trailing U+FFFD means the
+next token completes it), and never the first ``max(len(stop)) - 1`` characters that could still
+turn out to begin a stop string. ``finish()`` releases what was held back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens decoded ahead of the output, so tokenizers that drop a leading space at the start of
+# a decode (SentencePiece) still render the first output token as it appears in context.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        *,
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens
+        self.holdback = max(map(len, stop), default=1) - 1
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.num_output_tokens = 0
+        self.text = ""  # all final text so far (some of it maybe not released yet)
+        self.released = 0  # characters of self.text handed out
+        self.stopped_by: str | None = None  # the stop string that ended the text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, final: bool) -> None:
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self._append(full[len(prefix) :])
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
+    def _append(self, delta: str) -> None:
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        if self.stop and self.num_output_tokens >= self.min_tokens:
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                self.stopped_by = next(s for s in self.stop if self.text.find(s, start) == cut)
+                self.text = self.text[:cut]
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new output tokens; return the text that became final (may be empty)."""
+        for token_id in token_ids:
+            if self.stopped_by is not None:
+                break
+            self.ids.append(token_id)
+            self.num_output_tokens += 1
+            self._advance(final=False)
+        end = len(self.text) if self.stopped_by is not None else len(self.text) - self.holdback
+        return self._release(end)
+
+    def finish(self) -> str:
+        """The request ended: flush everything still held back."""
+        if self.stopped_by is None and self.read_offset < len(self.ids):
+            self._advance(final=True)
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.released:
+            return ""
+        out, self.released = self.text[self.released : end], end
+        return out

@@ -1,0 +1,196 @@
+"""The engine core: admission, one ``step()`` of scheduling + model + bookkeeping, abort.
+
+Token ids in, token ids out; no tokenizer, no I/O. The offline ``LLM`` and the engine process both
+drive it by calling ``step()`` in a loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from nanostream.config import EngineConfig
+from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.model_runner import ModelRunner
+from nanostream.engine.scheduler import Scheduler
+from nanostream.engine.sequence import Sequence
+from nanostream.errors import InvalidRequestError, ModelLoadError
+from nanostream.models.loader import resolve_model_path
+from nanostream.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepResult:
+    deltas: list[RequestDelta]
+    num_prefill_tokens: int  # prompt tokens computed this step (chunks that did not only decode)
+    num_decode_tokens: int
+
+
+def read_eos_token_ids(model_path: Path, hf_config) -> frozenset[int]:
+    """EOS ids from generation_config.json and config.json (either may hold one id or a list)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+class LLMEngine:
+    """Example::
+
+    engine = LLMEngine(EngineConfig(model="/models/Qwen3-0.6B"))
+    engine.add_request("r1", [9707, 11], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for delta in engine.step().deltas: ...
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_path = resolve_model_path(config.model)
+        try:
+            hf_config = AutoConfig.from_pretrained(self.model_path)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {self.model_path / 'config.json'}: {exc}") from exc
+        self.config = config = config.resolve(
+            max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
+        )
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, hf_config, self.model_path)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = read_eos_token_ids(self.model_path, hf_config)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+        )
+        self._rng = random.Random(config.seed)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            self.model_path,
+            config.device,
+            config.dtype,
+            self.block_manager.num_blocks,
+            config.kvcache_block_size,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes)."""
+        prompt = list(prompt_token_ids)
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        bad = next(
+            (t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None or any(not isinstance(t, int) for t in prompt):
+            raise InvalidRequestError(
+                f"prompt token id {bad!r} is outside the model's vocabulary [0, {self.vocab_size}); "
+                "tokenize the prompt with this model's tokenizer"
+            )
+        limit = self.max_model_len
+        if n >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but max_model_len is {limit}, leaving no room to generate; "
+                "shorten the prompt or raise max_model_len"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
+                f"({limit}); lower max_tokens to at most {limit - n} or shorten the prompt"
+            )
+        blocks = self.block_manager.blocks_needed(n + max_tokens)
+        if blocks > self.block_manager.num_blocks:
+            fits = self.block_manager.num_blocks * self.config.kvcache_block_size
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {n + max_tokens} tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks} ({fits} tokens); lower max_tokens or give the engine more KV memory"
+            )
+        bad_stop = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad_stop is not None:
+            raise InvalidRequestError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(
+            request_id, prompt, params, max_tokens=max_tokens, sampling_seed=seed & (2**63 - 1), stop_token_ids=stop_ids
+        )
+        try:
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def abort(self, request_id: str, reason: str = "abort") -> RequestDelta | None:
+        """Finish a request in any state, freeing its KV blocks now. Unknown or finished ids are ignored."""
+        seq = self.scheduler.finish(request_id, reason)
+        if seq is None:
+            return None
+        return RequestDelta(request_id, [], reason, [], seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def has_unfinished(self) -> bool:
+        return len(self.scheduler) > 0
+
+    def step(self) -> StepResult:
+        # 1. pick this step's chunks (decodes first, then prefill chunks, then admissions)
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return StepResult([], 0, 0)
+        # 2. run the model and sample
+        sampled = self.runner.execute(chunks)
+        num_decode = sum(
+            1 for c in chunks if c.num_new_tokens == 1 and c.seq.num_computed_tokens >= c.seq.num_prompt_tokens
+        )
+        num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
+        # 3. advance the sequences, append sampled tokens, finish the ones that stop
+        self.scheduler.update(chunks, {rid: s.token_id for rid, s in sampled.items()})
+        deltas = []
+        for chunk in chunks:
+            seq = chunk.seq
+            token = sampled.get(seq.request_id)
+            if token is None:
+                continue
+            if token.logprobs is not None:
+                seq.logprobs.append(token.logprobs)
+            deltas.append(
+                RequestDelta(
+                    seq.request_id,
+                    [token.token_id],
+                    seq.finish_reason,
+                    [token.logprobs] if token.logprobs is not None else [],
+                    seq.num_prompt_tokens,
+                    seq.num_cached_tokens,
+                )
+            )
+        return StepResult(deltas, num_prefill, num_decode)

@@ -1,0 +1,225 @@
+"""Runs the model on a device: loads it, sizes and owns the KV pool, packs a step's batch, samples.
+
+The runner knows nothing of scheduling: it gets the step's chunks (which tokens of which sequences
+to compute) and returns the token sampled for every sequence whose chunk reached its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanostream.config import EngineConfig
+from nanostream.engine.sampler import SamplingBatch, sample
+from nanostream.engine.scheduler import ScheduledChunk
+from nanostream.engine.sequence import Sequence
+from nanostream.errors import ModelLoadError
+from nanostream.layers.attention import AttentionMetadata, KVCache, get_backend
+from nanostream.models import build_model
+from nanostream.models.loader import load_weights
+from nanostream.models.qwen import ForwardContext
+from nanostream.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None  # sampled token and the top-N, when the request asked
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: Any, model_path: Path) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.block_size = config.kvcache_block_size
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = build_model(hf_config)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.spec = self.model.spec
+        self.vocab_size = self.spec.vocab_size
+        self.backend = get_backend(config.attention_backend, self.device)
+        log.info("attention backend: %s", self.backend.name)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv(self.num_kv_blocks)
+
+    # ---- KV pool -------------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
+        s = self.spec
+        shape = (2, s.num_layers, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [KVCache(pool[0, i], pool[1, i]) for i in range(s.num_layers)]
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kvcache_blocks is not None:
+            return cfg.num_kvcache_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.kv_block_bytes
+        if num_blocks < 1:
+            raise ModelLoadError(
+                f"no room for a single KV block of {self.kv_block_bytes} bytes (budget {budget} bytes); "
+                "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower kvcache_block_size"
+            )
+        return num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes left for KV after the worst prefill: total * utilisation - (everything else at peak)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        cfg = self.config
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self.kv_caches = self._allocate_kv(num_seqs * blocks_per_seq)
+        seqs = []
+        for i in range(num_seqs):
+            seq = Sequence(
+                f"warmup-{i}",
+                [0] * seq_len,
+                SamplingParams(),
+                max_tokens=1,
+                sampling_seed=0,
+                stop_token_ids=frozenset(),
+            )
+            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            seqs.append(ScheduledChunk(seq, seq_len))
+        self.execute(seqs)
+        del self.kv_caches
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        # Memory used by anything (us included) now, plus what the forward pass needs on top at its peak.
+        used = total - free + peak - current
+        torch.cuda.empty_cache()
+        return int(total * cfg.gpu_memory_utilization - used)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, seq_lens, sample_rows = [0], [], []
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            for b in range(start // bs, (end - 1) // bs + 1):  # slots, one block range at a time
+                base = seq.block_table[b] * bs - b * bs
+                slots += range(base + max(start, b * bs), base + min(end, (b + 1) * bs))
+            cu_q.append(cu_q[-1] + chunk.num_new_tokens)
+            seq_lens.append(end)
+            if chunk.samples:
+                sample_rows.append(cu_q[-1] - 1)
+        width = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            max_seqlen_q=max(c.num_new_tokens for c in chunks),
+            max_seqlen_k=max(seq_lens),
+            cu_seqlens_q_host=cu_q,
+            seq_lens_host=seq_lens,
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
+        """Compute the chunks; sample the next token of each sequence whose chunk reached its end."""
+        input_ids, positions, meta, sample_rows = self.prepare(chunks)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        hidden = self.model(input_ids, positions, ctx)
+        seqs = [c.seq for c in chunks if c.samples]
+        if not seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])  # [B, V] float32
+        batch = self.sampling_batch(seqs)
+        out = sample(logits, batch)
+        token_ids = out.token_ids.tolist()
+        result = {}
+        if out.logprobs is not None:
+            lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids, out.top_logprobs
+            top_ids = top_ids.tolist() if top_ids is not None else None
+            top_lps = top_lps.tolist() if top_lps is not None else None
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            logprobs = None
+            if n is not None:
+                logprobs = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n else {}
+                logprobs[token_ids[i]] = lps[i]
+            result[seq.request_id] = SampledToken(token_ids[i], logprobs)
+        return result
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        p = [s.params for s in seqs]
+        greedy = [x.greedy for x in p]
+        f32, i64 = torch.float32, torch.int64
+        batch = SamplingBatch(
+            temperature=self._tensor([0.0 if g else x.temperature for g, x in zip(greedy, p)], f32),
+            top_k=self._tensor([x.top_k if x.top_k > 0 else self.vocab_size for x in p], i64),
+            top_p=self._tensor([x.top_p for x in p], f32),
+            min_p=self._tensor([x.min_p for x in p], f32),
+            seeds=self._tensor([s.sampling_seed for s in seqs], i64),
+            steps=self._tensor([s.num_output_tokens for s in seqs], i64),
+            all_greedy=all(greedy),
+            needs_top_k_p=any(x.top_k > 0 or x.top_p < 1 for x in p),
+            needs_min_p=any(x.min_p > 0 for x in p),
+            max_logprobs=max((x.logprobs for x in p if x.logprobs is not None), default=-1),
+        )
+        if any(x.repetition_penalty != 1 or x.presence_penalty or x.frequency_penalty for x in p):
+            batch.repetition_penalty = self._tensor([x.repetition_penalty for x in p], f32)
+            batch.presence_penalty = self._tensor([x.presence_penalty for x in p], f32)
+            batch.frequency_penalty = self._tensor([x.frequency_penalty for x in p], f32)
+            batch.output_counts = self._token_rows([s.output_token_ids for s in seqs]).float()
+            batch.prompt_mask = self._token_rows([s.prompt_token_ids for s in seqs]) > 0
+        banned = [s.stop_token_ids if s.num_output_tokens < s.params.min_tokens else () for s in seqs]
+        if any(banned):
+            batch.banned = self._token_rows([list(b) for b in banned]) > 0
+        return batch
+
+    def _token_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """[B, V] int32 counts of each token id in each row."""
+        width = max(1, max(map(len, rows)))
+        ids = self._tensor([r + [0] * (width - len(r)) for r in rows], torch.int64)
+        ones = self._tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], torch.int32)
+        counts = torch.zeros(len(rows), self.vocab_size, dtype=torch.int32, device=self.device)
+        return counts.scatter_add_(1, ids, ones)

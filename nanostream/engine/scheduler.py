@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Policy of one step (``schedule``), within ``max_num_batched_tokens`` tokens and ``max_num_seqs``
+requests:
+
+1. Running requests that are decoding get their one token first, oldest first: a long prompt being
+   prefilled never stalls the decodes.
+2. Running requests part-way through a chunked prefill get the next chunk, oldest first.
+3. Waiting requests are admitted first-come first-served, each with as much of its prompt as the
+   remaining budget allows (the rest follows in later steps). Admission stops at the first request
+   whose blocks do not fit, so a large request is not starved by a stream of small ones.
+
+When a running request needs a KV block and none is free, the most recently admitted running
+request that is not yet scheduled in this step is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed (mostly from the prefix cache) later. If no such request is
+left, the request itself is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for seq this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the step samples its next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, request_id: str, reason: str) -> Sequence | None:
+        """End a request in any state and free its blocks at once. Idempotent: unknown ids are ignored."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        return seq
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledChunk] = []
+        # 1 + 2: decodes, then chunks of prefills in progress.
+        queue = deque(
+            [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+            + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        )
+        while queue and budget:
+            seq = queue.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                if queue:
+                    self._preempt(max(queue, key=self.running.index))
+                    queue = deque(s for s in queue if s.status is SequenceStatus.RUNNING)
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                scheduled.append(ScheduledChunk(seq, n))
+                budget -= n
+        # 3. admissions.
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, n, hits):
+                break
+            self.waiting.popleft()
+            if not seq.admitted:
+                seq.admitted, seq.num_cached_tokens = True, seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledChunk(seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, scheduled: list[ScheduledChunk], sampled: dict[str, int]) -> list[Sequence]:
+        """Advance each scheduled sequence by its chunk, append sampled tokens; return finished ones."""
+        finished = []
+        for chunk in scheduled:
+            seq = chunk.seq
+            samples = chunk.samples
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not samples:
+                continue
+            seq.append_token(sampled[seq.request_id])
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                finished.append(self.finish(seq.request_id, reason))
+        return finished

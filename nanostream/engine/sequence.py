@@ -1,0 +1,84 @@
+"""One request inside the engine: its tokens, its KV blocks and how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+
+from nanostream.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request's state. Plain Python: the scheduler and block manager never touch torch.
+
+    ``token_ids`` holds prompt + output. ``num_computed_tokens`` counts the leading tokens whose K/V
+    are in the cache; the next step computes ``token_ids[num_computed_tokens:]`` (or a chunk of it).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        sampling_seed: int,
+        stop_token_ids: frozenset[int],
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens with None resolved against max_model_len
+        self.sampling_seed = sampling_seed  # params.seed, or one the engine drew for this request
+        self.stop_token_ids = stop_token_ids  # EOS ids (unless ignore_eos) + params.stop_token_ids
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
+        self.logprobs: list[dict[int, float]] = []
+        self.admitted = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason after the last appended token, or None to keep going."""
+        if self.num_output_tokens >= self.params.min_tokens and self.token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

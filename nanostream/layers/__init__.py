@@ -1,0 +1,1 @@
+"""Building blocks of the models: attention over the paged cache, norms, rotary embedding, linears."""

@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+A step's tokens are packed: sequence ``i`` contributes the query tokens
+``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``, which are the last ones of its ``seq_lens[i]`` tokens of
+context; the earlier context lives in the KV pool at the blocks of ``block_tables[i]``. Prefill,
+chunked prefill, prefix-cache hits and decode are all this one shape (decode: one query token).
+
+A backend stores the new K/V at ``slot_mapping`` and attends causally over each sequence's context.
+Backends are chosen by name (``get_backend``); GPU kernels slot in as further implementations.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention layers need to know about one step's packed batch."""
+
+    slot_mapping: torch.Tensor  # [T] int64: KV-pool slot of each new token
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: query token offsets
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
+    seq_lens_host: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+@dataclass
+class KVCache:
+    """One layer's slice of the KV pool: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D]."""
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, cache, meta, scale):
+        k_pool = cache.k.view(-1, *cache.k.shape[2:])  # [num_slots, Hkv, D]
+        v_pool = cache.v.view(-1, *cache.v.shape[2:])
+        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        if meta.is_decode:
+            return self._decode(q, cache, meta, scale)
+        out = torch.empty_like(q)
+        bs = cache.block_size
+        for i, seq_len in enumerate(meta.seq_lens_host):
+            start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
+            slots = self._slots(meta.block_tables[i], seq_len, bs)
+            # [1, H, L, D] views for SDPA
+            qi = q[start:end].transpose(0, 1)[None]
+            ki, vi = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]
+            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own.
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:end] = self._sdpa(qi, ki, vi, mask, scale)[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+        blocks = block_table[: -(-seq_len // block_size)].long()
+        offsets = torch.arange(block_size, device=block_table.device)
+        return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:seq_len]
+
+    @staticmethod
+    def _sdpa(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    def _decode(self, q, cache, meta, scale):
+        # All sequences at once: gather each block table's blocks, mask positions past seq_len.
+        bs = cache.block_size
+        num_blocks = -(-meta.max_seqlen_k // bs)
+        tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
+        k = cache.k[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+        v = cache.v[tables].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
+        out = self._sdpa(q[:, :, None, :], k, v, mask[:, None, None, :], scale)  # [B, Hq, 1, D]
+        return out[:, :, 0, :]
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called ``name``; ``auto`` picks the fastest one available for ``device``."""
+    if name == "auto":
+        name = "torch"
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(_BACKENDS)}") from None

@@ -1,0 +1,157 @@
+"""The offline API: ``LLM(model).generate(prompts)`` runs an engine in this process."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanostream.config import EngineConfig
+from nanostream.detokenizer import IncrementalDetokenizer
+from nanostream.engine.llm_engine import LLMEngine
+from nanostream.errors import InvalidRequestError
+from nanostream.outputs import RequestOutput
+from nanostream.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(path: Any) -> Any:
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLM:
+    """An engine in this process, for batch generation.
+
+    Example::
+
+        llm = LLM("/models/Qwen3-0.6B", max_model_len=4096)
+        out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+        print(out[0].text)
+
+    Unknown keyword arguments raise ``TypeError``; see ``EngineConfig`` for the options.
+    """
+
+    def __init__(self, model: str, **engine_config: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_config))
+        self.config = self.engine.config
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); outputs come in prompt order.
+
+        Every prompt is checked before any runs: a bad one raises ``InvalidRequestError`` (a
+        ``ValueError``) and the engine is left as it was.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt"
+            )
+        requests = []
+        for prompt, p in zip(prompts, params):
+            if isinstance(prompt, str):
+                ids = self.tokenizer(prompt).input_ids
+            elif isinstance(prompt, SequenceABC):
+                ids = list(prompt)
+            else:
+                raise InvalidRequestError(
+                    f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+                )
+            requests.append((f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, p))
+        # Validate everything first, then add: a bad prompt leaves the engine untouched.
+        added = []
+        try:
+            for rid, _, ids, p in requests:
+                self.engine.add_request(rid, ids, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate(prompt_ids, sampling_params, use_tqdm)
+
+    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        detoks: dict[str, IncrementalDetokenizer] = {}
+        for rid, text, ids, p in requests:
+            outputs[rid] = RequestOutput(rid, text, ids, logprobs=[] if p.logprobs is not None else None)
+            detoks[rid] = IncrementalDetokenizer(
+                self.tokenizer, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens, min_tokens=p.min_tokens
+            )
+        pending = set(outputs)
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        prefill_tokens = decode_tokens = 0
+        start = time.perf_counter()
+        try:
+            while pending:
+                result = self.engine.step()
+                prefill_tokens += result.num_prefill_tokens
+                decode_tokens += result.num_decode_tokens
+                for delta in result.deltas:
+                    out, detok = outputs[delta.request_id], detoks[delta.request_id]
+                    out.token_ids += delta.new_token_ids
+                    out.num_cached_tokens = delta.num_cached_tokens
+                    if out.logprobs is not None:
+                        out.logprobs += delta.new_logprobs
+                    out.text += detok.add(delta.new_token_ids)
+                    reason = delta.finish_reason
+                    if reason is None and detok.stopped_by is not None:
+                        self.engine.abort(delta.request_id, "stop")
+                        reason = "stop"
+                    if reason is None:
+                        continue
+                    out.text += detok.finish()
+                    out.finish_reason = reason
+                    if detok.stopped_by is not None:
+                        out.stop_reason = detok.stopped_by
+                    elif reason == "stop":
+                        out.stop_reason = out.token_ids[-1]
+                    pending.discard(delta.request_id)
+                    bar.update(1)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(
+                    f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s"
+                )
+        finally:
+            bar.close()
+            for rid in pending:  # interrupted (Ctrl-C, an error): leave nothing running in the engine
+                self.engine.abort(rid)
+        return [outputs[rid] for rid, *_ in requests]

@@ -1,0 +1,123 @@
+"""A tiny random-weight model, built the same way on any machine, for tests and first runs.
+
+``make_tiny_model(DIR)`` writes a Hugging Face model directory (config.json, model.safetensors,
+tokenizer files with a chat template) using transformers' own config and model classes. The weights
+are random, so the text is gibberish; it exists to exercise the whole engine without a download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# Byte-level BPE merges are learned from this text (written for nanostream). Emoji and CJK stay
+# split over several byte tokens, which is what streaming detokenization must cope with.
+_CORPUS = """\
+The engine keeps a pool of key and value blocks. Each request owns a table of blocks, and every
+step the scheduler decides which requests run: decodes first, then pieces of long prompts, then
+new arrivals while room remains. When memory runs out, the newest request steps aside and is
+recomputed later from the prefix cache. Tokens stream to every client as soon as they exist.
+A stream can end because the model said it was done, because it reached its length, or because
+someone stopped listening. The river ran past the old mill, and the miller counted his sacks of
+grain by the light of a lamp. Seven small boats waited at the pier for the morning tide.
+Once upon a time there was a lighthouse keeper who wrote letters to the sea. The sea never wrote
+back, but every morning the sand held new shapes, and the keeper read them as answers.
+"""
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanostream" / "tiny-qwen3"
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on the embedded text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(
+    path: str | os.PathLike | None = None,
+    *,
+    architecture: str = "Qwen3ForCausalLM",
+    seed: int = 0,
+    init_std: float = 0.15,
+    **config_overrides,
+) -> Path:
+    """Write a tiny random model directory at ``path`` (default: the user cache) and return its path.
+
+    ``architecture`` is "Qwen3ForCausalLM" or "Qwen2ForCausalLM". ``init_std`` is larger than a real
+    model's so that next-token distributions are peaked and greedy choices are not near-ties.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path) if path is not None else DEFAULT_DIR
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        pad_token_id=eos,
+    )
+    if architecture == "Qwen3ForCausalLM":
+        config_cls, model_cls = Qwen3Config, Qwen3ForCausalLM
+        kwargs["head_dim"] = 16
+    elif architecture == "Qwen2ForCausalLM":
+        config_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
+    else:
+        raise ValueError(f"architecture must be Qwen3ForCausalLM or Qwen2ForCausalLM, got {architecture!r}")
+    kwargs.update(config_overrides)
+    config = config_cls(**kwargs)
+    model = model_cls(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(init_std * torch.randn(param.shape, generator=gen))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():  # keep the EOS but drop sampling defaults that would make HF generate sample
+        data = json.loads(gen_cfg.read_text())
+        gen_cfg.write_text(
+            json.dumps({k: v for k, v in data.items() if k.endswith("token_id") or k.startswith("_")}, indent=2)
+        )
+    return path
+
+
+def default_model_dir() -> Path:
+    """The embedded default model, built on first use."""
+    if not (DEFAULT_DIR / "model.safetensors").exists():
+        make_tiny_model(DEFAULT_DIR)
+    return DEFAULT_DIR
