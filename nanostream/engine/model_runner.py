@@ -85,7 +85,9 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._cuda_kv_budget()
         else:
-            budget = CPU_DEFAULT_KV_BYTES
+            # CPU memory is shared with everything else: never more than the engine can ever fill.
+            most = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)
+            budget = min(CPU_DEFAULT_KV_BYTES, most * self.kv_block_bytes)
         num_blocks = budget // self.kv_block_bytes
         if num_blocks < 1:
             raise ModelLoadError(

@@ -1,0 +1,107 @@
+"""The ``nanostream`` command line.
+
+    nanostream generate [PROMPT ...] [--model DIR] [--max-tokens N] [engine options]
+    nanostream make-tiny-model DIR
+
+Engine options are generated from ``EngineConfig``'s fields, so the dataclass stays the one source
+of their defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nanostream.config import EngineConfig
+from nanostream.errors import NanostreamError
+from nanostream.sampling_params import SamplingParams
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--option`` per EngineConfig field (except model); unset options keep the dataclass default."""
+    group = parser.add_argument_group("engine options")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        base = str(field.type).replace(" | None", "")
+        doc = f"(default: {field.default})"
+        if base == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=doc)
+        else:
+            group.add_argument(flag, type=_TYPES[base], default=argparse.SUPPRESS, metavar=base.upper(), help=doc)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from nanostream.llm import LLM
+    from nanostream.tiny_model import default_model_dir
+
+    model = args.model or str(default_model_dir())
+    llm = LLM(model, **engine_kwargs(args))
+    defaults = SamplingParams()
+    params = SamplingParams(
+        temperature=args.temperature if args.temperature is not None else defaults.temperature,
+        top_p=args.top_p if args.top_p is not None else defaults.top_p,
+        max_tokens=args.max_tokens if args.max_tokens is not None else defaults.max_tokens,
+        seed=args.sampling_seed,
+    )
+    prompts = args.prompts or ["Once upon a time", "The engine keeps a pool of"]
+    for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
+        print(f"\n>>> {out.prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from nanostream.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.dir, architecture=args.architecture, seed=args.seed)
+    print(f"wrote a tiny random {args.architecture} model to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanostream", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate completions offline, in this process")
+    gen.add_argument("prompts", nargs="*", help="prompts (default: two short examples)")
+    gen.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny model)")
+    gen.add_argument("--max-tokens", type=int, help=f"(default: {SamplingParams.max_tokens})")
+    gen.add_argument("--temperature", type=float, help=f"(default: {SamplingParams.temperature}; 0 = greedy)")
+    gen.add_argument("--top-p", type=float, help=f"(default: {SamplingParams.top_p})")
+    gen.add_argument("--sampling-seed", dest="sampling_seed", type=int, help="seed of every request")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight model directory")
+    tiny.add_argument("dir")
+    tiny.add_argument("--architecture", default="Qwen3ForCausalLM", choices=["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_make_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, NanostreamError) as exc:  # bad options or input: say what to change, no traceback
+        print(f"nanostream: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

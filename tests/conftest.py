@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from nanostream.tiny_model import make_tiny_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3"), architecture="Qwen3ForCausalLM", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("qwen2"), architecture="Qwen2ForCausalLM", seed=2)
+
+
+@pytest.fixture(scope="session", params=["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def model_dir(request, qwen3_dir, qwen2_dir):
+    return qwen3_dir if request.param == "Qwen3ForCausalLM" else qwen2_dir
+
+
+@pytest.fixture(scope="session")
+def hf_model_cache():
+    """transformers models by directory, loaded once per session (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get

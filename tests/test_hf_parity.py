@@ -1,0 +1,128 @@
+"""nanostream's greedy output is token-identical to Hugging Face transformers' on the same weights."""
+
+import random
+
+import pytest
+import torch
+
+from nanostream import LLM, SamplingParams
+from nanostream.engine.scheduler import ScheduledChunk
+from nanostream.engine.sequence import Sequence
+from nanostream.models.qwen import ForwardContext
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(lengths, seed, vocab=500):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_matches_hf(hf, prompts, outputs, n):
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == hf_greedy(hf, prompt, n), f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+
+
+def test_mixed_batch_matches_hf(model_dir, hf_model_cache):
+    prompts = random_prompts([1, 7, 16, 33, 100, 257], seed=0)
+    llm = LLM(str(model_dir), kvcache_block_size=16)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
+
+
+def test_prefix_cache_hits_match_hf(model_dir, hf_model_cache):
+    prefix = random_prompts([80], seed=1)[0]
+    prompts = [prefix + tail for tail in random_prompts([5, 17, 1], seed=2)]
+    llm = LLM(str(model_dir), kvcache_block_size=16)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 80 for o in rest)  # the five full blocks of the shared prefix
+    again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # prompt + its own output blocks cached
+    assert again[0].num_cached_tokens == 80
+    assert_matches_hf(hf_model_cache(model_dir), prompts, first + rest, GREEDY.max_tokens)
+    assert again[0].token_ids == first[0].token_ids
+
+
+def test_chunked_prefill_matches_hf(model_dir, hf_model_cache):
+    prompts = random_prompts([150, 9, 61], seed=3)
+    llm = LLM(str(model_dir), kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
+
+
+def test_preemption_matches_hf(model_dir, hf_model_cache):
+    prompts = random_prompts([20, 27, 13, 40, 22, 31], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = LLM(str(model_dir), kvcache_block_size=8, num_kvcache_blocks=16, enable_prefix_caching=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 16
+    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, params.max_tokens)
+
+
+def test_preemption_with_prefix_cache_matches_hf(qwen3_dir, hf_model_cache):
+    shared = random_prompts([24], seed=5)[0]
+    prompts = [shared + p for p in random_prompts([3, 9, 14, 6], seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(qwen3_dir), kvcache_block_size=8, num_kvcache_blocks=18, max_num_batched_tokens=48, max_num_seqs=4)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, params.max_tokens)
+
+
+def test_prefill_logits_match_hf(model_dir, hf_model_cache):
+    prompt = random_prompts([45], seed=7)[0]
+    llm = LLM(str(model_dir), kvcache_block_size=16)
+    runner = llm.engine.runner
+    seq = Sequence("p", prompt, GREEDY, max_tokens=1, sampling_seed=0, stop_token_ids=frozenset())
+    seq.block_table = list(range(3))
+    input_ids, positions, meta, _ = runner.prepare([ScheduledChunk(seq, len(prompt))])
+    with torch.inference_mode():
+        hidden = runner.model(input_ids, positions, ForwardContext(meta, runner.kv_caches, runner.backend))
+        ours = runner.model.compute_logits(hidden)
+        ref = hf_model_cache(model_dir)(torch.tensor([prompt])).logits[0].float()
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max().item() < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_block_sizes_match_hf(qwen3_dir, hf_model_cache, block_size):
+    prompts = random_prompts([3, 40, 71], seed=8)
+    llm = LLM(str(qwen3_dir), kvcache_block_size=block_size)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, GREEDY.max_tokens)
+
+
+def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nanostream.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, attention_bias=True, tie_word_embeddings=False,
+        max_position_embeddings=512, architectures=["Qwen3ForCausalLM"],
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    build_tokenizer().save_pretrained(tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompts = random_prompts([12, 50], seed=9)
+    outputs = LLM(str(tmp_path), kvcache_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf_model_cache(tmp_path), prompts, outputs, GREEDY.max_tokens)

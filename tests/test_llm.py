@@ -1,0 +1,138 @@
+"""The offline API as a user drives it: prompts in, outputs in order, stop rules, seeds, logprobs, chat."""
+
+import pytest
+import torch
+
+from nanostream import LLM, EngineConfig, SamplingParams
+from nanostream.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), kvcache_block_size=16)
+
+
+def test_prompt_forms_and_order(llm):
+    text = "The river ran past the mill"
+    ids = llm.tokenizer(text).input_ids
+    single = llm.generate(text, GREEDY, use_tqdm=False)
+    as_ids = llm.generate(ids, GREEDY, use_tqdm=False)
+    batch = llm.generate([[7, 8, 9], text, ids], GREEDY, use_tqdm=False)
+    assert len(single) == len(as_ids) == 1 and len(batch) == 3
+    assert single[0].token_ids == as_ids[0].token_ids == batch[1].token_ids == batch[2].token_ids
+    assert single[0].prompt == text and as_ids[0].prompt is None
+    assert batch[0].prompt_token_ids == [7, 8, 9] and batch[1].prompt_token_ids == ids
+    assert single[0].text == llm.tokenizer.decode(single[0].token_ids)
+    assert len({o.request_id for o in batch}) == 3
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate([[5, 6], [5, 6]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), GREEDY],
+                        use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [3, 16]
+    assert outs[1].token_ids[:3] == outs[0].token_ids
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([[5], [6]], [GREEDY], use_tqdm=False)
+
+
+def test_stop_string_cuts_text(llm):
+    prompt = [11, 12, 13, 14]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    stop = full.text[12:15]
+    assert stop and stop.strip()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 40 and full.token_ids[: len(out.token_ids)] == out.token_ids
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = [21, 22, 23]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # Under min_tokens the stop token may not be sampled at all.
+    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 3,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert stop_id not in late.token_ids[: first + 3]
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate([[30, 31, 32]], params, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=25, ignore_eos=True)
+    crowd = llm.generate([[40] * 9, [30, 31, 32], [41, 42]], [others, params, others], use_tqdm=False)
+    assert crowd[1].token_ids == alone
+    different = llm.generate([[30, 31, 32]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=99,
+                                                            ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert different != alone
+
+
+def test_engine_seed_makes_unseeded_runs_repeatable(qwen3_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = LLM(str(qwen3_dir), seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
+    b = LLM(str(qwen3_dir), seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_logprobs_match_hf(llm, qwen3_dir, hf_model_cache):
+    prompt = [50, 51, 52, 53]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0]
+    assert len(out.logprobs) == 6
+    hf = hf_model_cache(qwen3_dir)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+    ref = logits.log_softmax(-1)
+    for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top = ref[step].topk(3)
+        assert set(lp) == {token, *top.indices.tolist()}
+        for tid, value in lp.items():
+            assert value == pytest.approx(ref[step, tid].item(), abs=1e-4)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].logprobs is None
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)
+    expected = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert expected.endswith("<|im_start|>assistant\n")
+    assert out[0].prompt_token_ids == llm.tokenizer(expected, add_special_tokens=False).input_ids
+    two = llm.chat([messages, messages[1:]], GREEDY, use_tqdm=False)
+    assert len(two) == 2 and two[0].token_ids == out[0].token_ids
+
+
+def test_progress_bar_reports_throughput(llm, capsys):
+    llm.generate([[1, 2, 3]] * 3, GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "3/3" in err and "decode" in err and "tok/s" in err
+
+
+def test_abort_in_every_state_returns_every_block(qwen3_dir):
+    engine = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=2))
+    total = engine.block_manager.num_blocks
+    engine.add_request("decoding", list(range(3, 13)), GREEDY)
+    engine.step()  # admitted and prefilled in full
+    engine.add_request("prefilling", list(range(3, 103)), GREEDY)
+    engine.add_request("waiting", list(range(3, 20)), GREEDY)
+    engine.step()  # "prefilling" gets a first chunk; "waiting" must wait (max_num_seqs=2)
+    seqs = engine.scheduler.requests
+    assert seqs["decoding"].num_output_tokens == 2
+    assert 0 < seqs["prefilling"].num_computed_tokens < 100
+    assert seqs["waiting"].status.value == "waiting"
+    for rid in ("prefilling", "waiting", "decoding"):
+        delta = engine.abort(rid)
+        assert delta.finish_reason == "abort"
+        assert engine.abort(rid) is None  # idempotent
+    assert engine.block_manager.num_free_blocks == total
+    assert not engine.has_unfinished()
+    assert engine.step().deltas == []

@@ -1,0 +1,162 @@
+"""Bad input gets the documented error, says what to change, and the engine keeps serving."""
+
+import json
+import shutil
+
+import pytest
+
+from nanostream import LLM, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
+from nanostream.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=64)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], GREEDY, "prompt is empty"),
+        ([1, 2, 10**6], GREEDY, "outside the model's vocabulary"),
+        ([1, -3], GREEDY, "outside the model's vocabulary"),
+        (list(range(3, 131)), GREEDY, "max_model_len is 128"),
+        (list(range(3, 103)), SamplingParams(max_tokens=40), r"lower max_tokens to at most 28"),
+        ([5, 6], SamplingParams(stop_token_ids=[99999]), "stop token id 99999"),
+    ],
+)
+def test_bad_request_rejected_and_engine_still_serves(llm, prompt, params, match):
+    before = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate([[5, 6, 7], prompt], params, use_tqdm=False)
+    assert llm.engine.block_manager.num_free_blocks == 64
+    assert not llm.engine.has_unfinished()
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids == before
+
+
+def test_rejection_midway_leaves_running_requests_untouched(qwen3_dir):
+    engine = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=16, max_model_len=256))
+    ref = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=16, max_model_len=256))
+
+    def run(eng, reject_at):
+        eng.add_request("a", list(range(10, 50)), GREEDY)
+        eng.add_request("b", list(range(60, 70)), GREEDY)
+        out = {"a": [], "b": []}
+        step = 0
+        while eng.has_unfinished():
+            if step == reject_at:
+                with pytest.raises(InvalidRequestError):
+                    eng.add_request("bad", [], GREEDY)
+                with pytest.raises(InvalidRequestError, match="already in use"):
+                    eng.add_request("a", [1, 2], GREEDY)
+            for d in eng.step().deltas:
+                out[d.request_id] += d.new_token_ids
+            step += 1
+        return out
+
+    assert run(engine, reject_at=2) == run(ref, reject_at=-1)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_too_many_blocks_rejected(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kvcache_block_size=16, num_kvcache_blocks=4)
+    with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the cache has only 4"):
+        llm.generate([list(range(3, 60))], SamplingParams(max_tokens=20), use_tqdm=False)
+    assert len(llm.generate([list(range(3, 40))], GREEDY, use_tqdm=False)[0].token_ids) == 8
+
+
+def test_max_tokens_none_fills_the_context(qwen3_dir):
+    llm = LLM(str(qwen3_dir), kvcache_block_size=16, max_model_len=40)
+    out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 10 and out[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be"),
+        ({"min_p": 2}, "min_p must be"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"presence_penalty": 3}, "presence_penalty must be in"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop must be"),
+        ({"logprobs": 50}, "logprobs must be"),
+        ({"seed": 1.5}, "seed must be"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises_stop():
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+
+
+def test_unknown_config_key_is_a_type_error(qwen3_dir):
+    with pytest.raises(TypeError, match=r"unknown engine option\(s\) 'max_num_seq'.*valid options are"):
+        LLM(str(qwen3_dir), max_num_seq=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 16}, "must be at least max_num_seqs"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"attention_backend": "magic"}, "attention_backend must be one of"),
+        ({"kvcache_block_size": -1}, "kvcache_block_size"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ],
+)
+def test_bad_config_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_config_is_frozen_and_resolved_as_a_copy():
+    cfg = EngineConfig(model="m", max_model_len=10**6)
+    with pytest.raises(AttributeError):
+        cfg.max_num_seqs = 3
+    resolved = cfg.resolve(max_position_embeddings=2048, cuda_available=False)
+    assert (resolved.max_model_len, resolved.device, resolved.dtype) == (2048, "cpu", "float32")
+    assert cfg.max_model_len == 10**6 and cfg.device == "auto"
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        EngineConfig(model="m", device="cuda").resolve(max_position_embeddings=8, cuda_available=False)
+
+
+def test_unsupported_architecture_names_supported_ones(qwen3_dir, tmp_path):
+    model = tmp_path / "llama"
+    shutil.copytree(qwen3_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM, Qwen2ForCausalLM"):
+        LLM(str(model))
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_missing_weights_are_named(qwen3_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "partial"
+    shutil.copytree(qwen3_dir, model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.qkv_proj.weight"):
+        LLM(str(model))
