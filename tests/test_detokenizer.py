@@ -72,7 +72,7 @@ def test_stop_string_ignored_before_min_tokens(tok):
 
 
 def test_special_tokens_skipped(tok):
-    ids = tok("hello").input_ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ids = [*tok("hello").input_ids, tok.convert_tokens_to_ids("<|im_end|>")]
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add(ids) + detok.finish() == "hello"
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)

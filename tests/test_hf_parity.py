@@ -16,10 +16,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def hf_greedy(hf, prompt, n):
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(lengths, seed, vocab=500):
@@ -112,9 +115,17 @@ def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
 
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, attention_bias=True, tie_word_embeddings=False,
-        max_position_embeddings=512, architectures=["Qwen3ForCausalLM"],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        architectures=["Qwen3ForCausalLM"],
     )
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():

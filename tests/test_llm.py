@@ -29,8 +29,9 @@ def test_prompt_forms_and_order(llm):
 
 
 def test_one_sampling_params_per_prompt(llm):
-    outs = llm.generate([[5, 6], [5, 6]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), GREEDY],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [[5, 6], [5, 6]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), GREEDY], use_tqdm=False
+    )
     assert [len(o.token_ids) for o in outs] == [3, 16]
     assert outs[1].token_ids[:3] == outs[0].token_ids
     with pytest.raises(ValueError, match="one per prompt"):
@@ -42,8 +43,9 @@ def test_stop_string_cuts_text(llm):
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
     stop = full.text[12:15]
     assert stop and stop.strip()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0]
     assert out.text == full.text[: full.text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert len(out.token_ids) < 40 and full.token_ids[: len(out.token_ids)] == out.token_ids
@@ -56,13 +58,17 @@ def test_stop_token_ids_and_min_tokens(llm):
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
     stop_id = full.token_ids[4]
     first = full.token_ids.index(stop_id)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     # Under min_tokens the stop token may not be sampled at all.
-    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 3,
-                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    late = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=first + 3, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
     assert stop_id not in late.token_ids[: first + 3]
 
 
@@ -72,8 +78,11 @@ def test_seeded_sampling_reproducible_and_batch_independent(llm):
     others = SamplingParams(temperature=0.7, max_tokens=25, ignore_eos=True)
     crowd = llm.generate([[40] * 9, [30, 31, 32], [41, 42]], [others, params, others], use_tqdm=False)
     assert crowd[1].token_ids == alone
-    different = llm.generate([[30, 31, 32]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=99,
-                                                            ignore_eos=True), use_tqdm=False)[0].token_ids
+    different = llm.generate(
+        [[30, 31, 32]],
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )[0].token_ids
     assert different != alone
 
 
@@ -86,8 +95,9 @@ def test_engine_seed_makes_unseeded_runs_repeatable(qwen3_dir):
 
 def test_logprobs_match_hf(llm, qwen3_dir, hf_model_cache):
     prompt = [50, 51, 52, 53]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3), use_tqdm=False
+    )[0]
     assert len(out.logprobs) == 6
     hf = hf_model_cache(qwen3_dir)
     with torch.no_grad():

@@ -69,7 +69,9 @@ def test_too_many_blocks_rejected(qwen3_dir):
 
 def test_max_tokens_none_fills_the_context(qwen3_dir):
     llm = LLM(str(qwen3_dir), kvcache_block_size=16, max_model_len=40)
-    out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [list(range(3, 33))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].token_ids) == 10 and out[0].finish_reason == "length"
 
 
@@ -160,3 +162,9 @@ def test_missing_weights_are_named(qwen3_dir, tmp_path):
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.qkv_proj.weight"):
         LLM(str(model))
+
+
+def test_hub_id_without_network_says_to_pass_a_directory(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="pass a local model directory"):
+        LLM("nanostream-test/not-a-real-model")

@@ -119,12 +119,13 @@ class ModelRunner:
             seqs.append(ScheduledChunk(seq, seq_len))
         self.execute(seqs)
         del self.kv_caches
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        # Memory used by anything (us included) now, plus what the forward pass needs on top at its peak.
+        # Memory in use now (weights, other processes), plus what the worst forward pass adds at its peak.
         used = total - free + peak - current
-        torch.cuda.empty_cache()
         return int(total * cfg.gpu_memory_utilization - used)
 
     # ---- one step ------------------------------------------------------------------------------

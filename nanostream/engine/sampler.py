@@ -93,9 +93,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Ten
         sorted_logits, order = logits.sort(-1, descending=True)
         rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
         drop = rank >= b.top_k[:, None]
-        probs = sorted_logits.softmax(-1)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)  # top-p sees the top-k mass, as vLLM
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
-        drop |= (probs.cumsum(-1) - probs) >= b.top_p[:, None]
+        # top_p = 1 keeps all: a float32 cumsum over a large vocabulary can pass 1 before the tail ends.
+        drop |= ((probs.cumsum(-1) - probs) >= b.top_p[:, None]) & (b.top_p[:, None] < 1)
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
