@@ -67,6 +67,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         return seq
 
