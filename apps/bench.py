@@ -1,0 +1,364 @@
+"""Offline throughput: nano-vLLM's bench workload through ``LLM.generate``, optionally against HF ``generate``.
+
+Usage::
+
+    python apps/bench.py                                       # tiny random model, the full workload
+    python apps/bench.py --num-requests 32 --max-input-len 256 --min-output-len 32 --max-output-len 128 --hf
+    python apps/bench.py --preset qwen3-0.6b                   # Qwen3-0.6B's shape, random weights (GPU)
+    python apps/bench.py --model /models/Qwen3-0.6B --hf
+
+Workload (nano-vLLM's ``bench.py``): ``random.seed(seed)``; then, for each request, a prompt length in
+[min_input_len, max_input_len] and that many token ids in [0, min(10000, vocab)); then, for each
+request, max_tokens in [min_output_len, max_output_len]. Every request samples at temperature 0.6
+with ignore_eos, so it generates exactly max_tokens tokens.
+
+What is timed:
+
+- nanostream: one ``LLM.generate(all prompts as token ids, one SamplingParams each, use_tqdm=False)``
+  after a short warm-up generate. This includes scheduling, the model, sampling and the offline
+  API's incremental detokenization; it excludes model loading and KV-cache allocation.
+- HF (``--hf``): ``model.generate`` over static batches of ``--hf-batch-size`` requests in workload
+  order, after a warm-up batch. Prompts are left-padded to the batch's longest with an attention
+  mask; every row generates the batch's largest max_tokens (EOS ignored, temperature 0.6, no top-k
+  or top-p). The timer covers building the padded batch, ``generate`` and the device sync, for all
+  batches. Only the tokens each request asked for are counted: the extra tokens that shorter
+  requests generate to fill the batch are paid for in time but not counted.
+
+Output tok/s = counted output tokens / elapsed; total tok/s = (prompt tokens + output tokens) /
+elapsed. The HF model runs first and is freed before the engine starts, so on a GPU the engine's
+memory profiling sees the whole device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import random
+import tempfile
+import time
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanostream import LLM, SamplingParams
+from nanostream.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from nanostream.tiny_model import make_tiny_model
+
+TEMPERATURE = 0.6
+PROMPT_VOCAB = 10000  # nano-vLLM draws prompt ids below this
+
+# make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
+# model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        init_std=0.02,
+    ),
+}
+
+# EngineConfig fields forwarded as --kebab-case options; their defaults are read from the dataclass.
+ENGINE_OPTIONS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kvcache_block_size",
+    "num_kvcache_blocks",
+    "gpu_memory_utilization",
+    "dtype",
+    "device",
+    "attention_backend",
+    "enforce_eager",
+)
+ENGINE_CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # only the tokens the workload asked for
+    elapsed: float  # seconds
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.elapsed
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed
+
+    def rates(self) -> tuple[str, str]:
+        return f"{self.output_tps:.1f}", f"{self.total_tps:.1f}"
+
+    def line(self) -> str:
+        return (
+            f"{self.name}: {self.num_requests} requests, {self.output_tokens} output tokens "
+            f"(+{self.prompt_tokens} prompt) in {self.elapsed:.2f} s: {self.output_tps:.1f} output tok/s, "
+            f"{self.total_tps:.1f} total tok/s"
+        )
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
+    """nano-vLLM's draws, in its order: all prompts first, then all max_tokens."""
+    random.seed(args.seed)
+    high = min(PROMPT_VOCAB, vocab_size)
+    prompts = [
+        [random.randrange(high) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+        for _ in range(args.num_requests)
+    ]
+    max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)]
+    return [Request(p, m) for p, m in zip(prompts, max_tokens)]
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[Path]:
+    """``--model``, or a random model built into ``--build-dir`` (reused when built alike) or a temp dir."""
+    if args.model:
+        yield Path(args.model)
+        return
+    overrides = {**PRESETS.get(args.preset, {}), **args.tiny_config}
+    spec = json.dumps(overrides, sort_keys=True)
+    with contextlib.ExitStack() as stack:
+        path = Path(args.build_dir) if args.build_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        stamp = path / "bench_build.json"
+        if stamp.is_file() and stamp.read_text() == spec:
+            print(f"model: reusing {path} ({spec})")
+        else:
+            t = time.perf_counter()
+            make_tiny_model(path, **overrides)
+            stamp.write_text(spec)
+            print(f"model: built {path} ({spec}) in {time.perf_counter() - t:.1f} s")
+        yield path
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def environment(device: str) -> str:
+    import platform
+
+    import transformers
+
+    if device.startswith("cuda"):
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"cpu, {torch.get_num_threads()} torch threads"
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    return f"python {platform.python_version()}, {versions}; {where}"
+
+
+def make_warmup(seed: int, vocab_size: int, n: int) -> list[Request]:
+    """Short requests of their own random ids, so warm-up leaves nothing in the prefix cache for the workload."""
+    rng = random.Random(seed + 1)
+    return [Request([rng.randrange(min(PROMPT_VOCAB, vocab_size)) for _ in range(32)], 8) for _ in range(n)]
+
+
+def run_nanostream(
+    model: Path, workload: list[Request], warmup: list[Request], engine_kwargs: dict, seed: int
+) -> Result:
+    llm = LLM(str(model), seed=seed, **engine_kwargs)
+    cfg = llm.config
+    print(
+        f"nanostream: {cfg.device} {cfg.dtype}, {llm.engine.block_manager.num_blocks} KV blocks of "
+        f"{cfg.kvcache_block_size}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
+        f"{cfg.max_num_batched_tokens}, attention {llm.engine.runner.backend.name}"
+    )
+    llm.generate(
+        [r.prompt_token_ids for r in warmup],
+        [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in warmup],
+        use_tqdm=False,
+    )
+    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in workload]
+    prompts = [r.prompt_token_ids for r in workload]
+    sync(cfg.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync(cfg.device)
+    elapsed = time.perf_counter() - start
+    got = [len(o.token_ids) for o in outputs]
+    short = sum(g < r.max_tokens for g, r in zip(got, workload))
+    if short:
+        print(f"warning: nanostream returned fewer tokens than max_tokens for {short} request(s)")
+    # Count what was asked for and delivered, never more.
+    counted = sum(min(g, r.max_tokens) for g, r in zip(got, workload))
+    return Result("nanostream", len(workload), sum(map(len, prompts)), counted, elapsed)
+
+
+def run_hf(
+    model: Path, workload: list[Request], warmup: list[Request], cfg: EngineConfig, batch_size: int, seed: int
+) -> Result:
+    """Time HF generate; the model is freed on return (the caller collects and empties the CUDA cache)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    dtype = getattr(torch, cfg.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(cfg.device).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    hf.generation_config.eos_token_id = None  # ignore_eos: with no EOS, every row runs to max_new_tokens
+    print(f"hf: transformers generate, {cfg.device} {cfg.dtype}, {hf.config._attn_implementation} attention, ", end="")
+    print(f"static batches of {batch_size}, left-padded")
+
+    def generate(batch: list[Request]) -> None:
+        width = max(len(r.prompt_token_ids) for r in batch)
+        new = max(r.max_tokens for r in batch)
+        ids = [[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
+        mask = [[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
+        gen = GenerationConfig(
+            do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0, max_new_tokens=new, pad_token_id=pad
+        )
+        out = hf.generate(
+            input_ids=torch.tensor(ids, device=cfg.device),
+            attention_mask=torch.tensor(mask, device=cfg.device),
+            generation_config=gen,
+        )
+        if out.shape[1] != width + new:
+            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens per row, expected {new}")
+
+    with torch.inference_mode():
+        generate(warmup[:batch_size])
+        torch.manual_seed(seed)
+        sync(cfg.device)
+        start = time.perf_counter()
+        for i in range(0, len(workload), batch_size):
+            generate(workload[i : i + batch_size])
+        sync(cfg.device)
+        elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    output_tokens = sum(r.max_tokens for r in workload)
+    return Result(f"hf (bs={batch_size})", len(workload), prompt_tokens, output_tokens, elapsed)
+
+
+def summary(results: list[Result]) -> str:
+    rows = [("engine", "requests", "out tok", "time s", "out tok/s", "total tok/s")]
+    rows += [(r.name, str(r.num_requests), str(r.output_tokens), f"{r.elapsed:.2f}", *r.rates()) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]) for row in rows]
+    if len(results) == 2:
+        ratio = results[0].output_tps / results[1].output_tps
+        lines.append(f"nanostream / {results[1].name} output tok/s: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (EngineConfig fields; defaults are its own)")
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    hints = typing.get_type_hints(EngineConfig)
+    for name in ENGINE_OPTIONS:
+        flag, default, doc = "--" + name.replace("_", "-"), fields[name].default, f"EngineConfig.{name}"
+        kind = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
+        else:
+            group.add_argument(flag, type=kind, default=default, choices=ENGINE_CHOICES.get(name), help=doc)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random.seed of the workload; also the engine's seed")
+    parser.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
+    parser.add_argument("--min-input-len", type=int, default=100, help="shortest prompt, in tokens")
+    parser.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
+    parser.add_argument("--min-output-len", type=int, default=100, help="smallest max_tokens")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="largest max_tokens")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads for both engines; None: torch's own")
+    model = parser.add_argument_group("model (default: the tiny random model, built into a temp dir)")
+    model.add_argument("--model", help="a Hugging Face model directory (or hub id) instead of a built one")
+    model.add_argument("--preset", choices=sorted(PRESETS), help="build a random-weight model of this shape")
+    model.add_argument(
+        "--tiny-config",
+        help='JSON of make_tiny_model overrides, over --preset: \'{"hidden_size": 256, "num_hidden_layers": 4}\'',
+    )
+    model.add_argument("--build-dir", help="build the model here and keep it; reused when built with the same settings")
+    hf_group = parser.add_argument_group("Hugging Face baseline")
+    hf_group.add_argument("--hf", action="store_true", help="also time transformers' generate on the same workload")
+    hf_group.add_argument("--hf-batch-size", type=int, default=16, help="requests per static HF batch")
+    add_engine_options(parser)
+    args = parser.parse_args(argv)
+    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, lo) <= getattr(args, hi):
+            parser.error(f"need 1 <= --{lo.replace('_', '-')} <= --{hi.replace('_', '-')}")
+    if args.num_requests < 1 or args.hf_batch_size < 1:
+        parser.error("--num-requests and --hf-batch-size must be positive")
+    try:
+        args.tiny_config = json.loads(args.tiny_config or "{}")
+    except json.JSONDecodeError as exc:
+        parser.error(f"--tiny-config is not valid JSON ({exc})")
+    if not isinstance(args.tiny_config, dict):
+        parser.error("--tiny-config must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
+    if args.model and (args.preset or args.tiny_config or args.build_dir):
+        parser.error("--model runs an existing model; --preset, --tiny-config and --build-dir build one: pick one")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoConfig
+
+    args = parse_args(argv)
+    engine_kwargs = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with model_dir(args) as model:
+        hf_config = AutoConfig.from_pretrained(model)
+        cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
+            max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
+        )
+        if args.max_input_len + args.max_output_len > cfg.max_model_len:
+            raise SystemExit(
+                f"--max-input-len + --max-output-len ({args.max_input_len + args.max_output_len}) exceeds "
+                f"max_model_len ({cfg.max_model_len}); lower them or raise --max-model-len"
+            )
+        workload = make_workload(args, hf_config.vocab_size)
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+        print(
+            f"workload: {len(workload)} requests, seed {args.seed}, {prompt_tokens} prompt tokens "
+            f"(len {args.min_input_len}-{args.max_input_len}), {sum(r.max_tokens for r in workload)} output tokens "
+            f"(len {args.min_output_len}-{args.max_output_len}), temperature {TEMPERATURE}, ignore_eos"
+        )
+        print(f"env: {environment(cfg.device)}")
+        print(
+            f"model: {model}, {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
+            f"vocab {hf_config.vocab_size}"
+        )
+        warmup = make_warmup(args.seed, hf_config.vocab_size, max(2, args.hf_batch_size))
+        results = []
+        hf_result = run_hf(model, workload, warmup, cfg, args.hf_batch_size, args.seed) if args.hf else None
+        if hf_result:
+            print(hf_result.line())
+            gc.collect()  # free the HF model before the engine sizes its KV cache
+            if cfg.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        results.append(run_nanostream(model, workload, warmup, engine_kwargs, args.seed))
+        print(results[0].line())
+        if hf_result:
+            results.append(hf_result)
+    print(summary(results))
+
+
+if __name__ == "__main__":
+    main()
