@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import json
 import random
 import tempfile
 import time
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,9 @@ from pathlib import Path
 import torch
 
 from nanostream import LLM, SamplingParams
-from nanostream.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from nanostream.cli import add_engine_args
+from nanostream.cli import engine_kwargs as engine_args
+from nanostream.config import EngineConfig
 from nanostream.tiny_model import make_tiny_model
 
 TEMPERATURE = 0.6
@@ -71,21 +71,6 @@ PRESETS: dict[str, dict] = {
         init_std=0.02,
     ),
 }
-
-# EngineConfig fields forwarded as --kebab-case options; their defaults are read from the dataclass.
-ENGINE_OPTIONS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "kvcache_block_size",
-    "num_kvcache_blocks",
-    "gpu_memory_utilization",
-    "dtype",
-    "device",
-    "attention_backend",
-    "enforce_eager",
-)
-ENGINE_CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
 
 
 @dataclass(frozen=True)
@@ -263,19 +248,6 @@ def summary(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options (EngineConfig fields; defaults are its own)")
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    hints = typing.get_type_hints(EngineConfig)
-    for name in ENGINE_OPTIONS:
-        flag, default, doc = "--" + name.replace("_", "-"), fields[name].default, f"EngineConfig.{name}"
-        kind = next((t for t in typing.get_args(hints[name]) if t is not type(None)), hints[name])
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
-        else:
-            group.add_argument(flag, type=kind, default=default, choices=ENGINE_CHOICES.get(name), help=doc)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -298,7 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hf_group = parser.add_argument_group("Hugging Face baseline")
     hf_group.add_argument("--hf", action="store_true", help="also time transformers' generate on the same workload")
     hf_group.add_argument("--hf-batch-size", type=int, default=16, help="requests per static HF batch")
-    add_engine_options(parser)
+    add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
@@ -320,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     args = parse_args(argv)
-    engine_kwargs = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    engine_kwargs = {k: v for k, v in engine_args(args).items() if k != "seed"}  # --seed is the workload's
     if args.threads:
         torch.set_num_threads(args.threads)
     with model_dir(args) as model:

@@ -23,11 +23,11 @@ from nanostream.sampling_params import SamplingParams
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--option`` per EngineConfig field (except model); unset options keep the dataclass default."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``--option`` per EngineConfig field (except model and ``skip``); unset ones keep the dataclass default."""
     group = parser.add_argument_group("engine options")
     for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
+        if field.name == "model" or field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         base = str(field.type).replace(" | None", "")
