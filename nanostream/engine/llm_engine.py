@@ -112,12 +112,10 @@ class LLMEngine:
         n = len(prompt)
         if n == 0:
             raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = next(
-            (t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None
-        )
-        if bad is not None or any(not isinstance(t, int) for t in prompt):
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad!r} is outside the model's vocabulary [0, {self.vocab_size}); "
+                f"prompt token id {bad[0]!r} is outside the model's vocabulary [0, {self.vocab_size}); "
                 "tokenize the prompt with this model's tokenizer"
             )
         limit = self.max_model_len
@@ -169,9 +167,7 @@ class LLMEngine:
             return StepResult([], 0, 0)
         # 2. run the model and sample
         sampled = self.runner.execute(chunks)
-        num_decode = sum(
-            1 for c in chunks if c.num_new_tokens == 1 and c.seq.num_computed_tokens >= c.seq.num_prompt_tokens
-        )
+        num_decode = sum(1 for c in chunks if c.num_new_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
         num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
         # 3. advance the sequences, append sampled tokens, finish the ones that stop
         self.scheduler.update(chunks, {rid: s.token_id for rid, s in sampled.items()})

@@ -140,7 +140,7 @@ class ModelRunner:
         slots: list[int] = []
         cu_q, seq_lens, sample_rows = [0], [], []
         for chunk in chunks:
-            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            seq, start = chunk.seq, chunk.start
             end = start + chunk.num_new_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
@@ -178,16 +178,16 @@ class ModelRunner:
         batch = self.sampling_batch(seqs)
         out = sample(logits, batch)
         token_ids = out.token_ids.tolist()
+        if out.logprobs is None:
+            return {seq.request_id: SampledToken(t, None) for seq, t in zip(seqs, token_ids)}
+        lps = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else [[] for _ in seqs]
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else [[] for _ in seqs]
         result = {}
-        if out.logprobs is not None:
-            lps, top_ids, top_lps = out.logprobs.tolist(), out.top_ids, out.top_logprobs
-            top_ids = top_ids.tolist() if top_ids is not None else None
-            top_lps = top_lps.tolist() if top_lps is not None else None
         for i, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            logprobs = None
-            if n is not None:
-                logprobs = dict(zip(top_ids[i][:n], top_lps[i][:n])) if n else {}
+            n, logprobs = seq.params.logprobs, None
+            if n is not None:  # the top-n and the sampled token (which may be among them)
+                logprobs = dict(zip(top_ids[i][:n], top_lps[i][:n]))
                 logprobs[token_ids[i]] = lps[i]
             result[seq.request_id] = SampledToken(token_ids[i], logprobs)
         return result

@@ -19,7 +19,7 @@ left, the request itself is preempted.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.sequence import Sequence, SequenceStatus
@@ -29,11 +29,12 @@ from nanostream.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int  # tokens computed for seq this step, starting at seq.num_computed_tokens
+    start: int = field(init=False)  # seq.num_computed_tokens when scheduled
+    samples: bool = field(init=False)  # the chunk reaches the sequence's end: the step samples a token
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so the step samples its next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -120,10 +121,9 @@ class Scheduler:
         finished = []
         for chunk in scheduled:
             seq = chunk.seq
-            samples = chunk.samples
             seq.num_computed_tokens += chunk.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not samples:
+            if not chunk.samples:
                 continue
             seq.append_token(sampled[seq.request_id])
             reason = seq.check_stop(self.max_model_len)
