@@ -1,6 +1,7 @@
 """The ``nanostream`` command line.
 
     nanostream generate [PROMPT ...] [--model DIR] [--max-tokens N] [engine options]
+    nanostream serve [MODEL] [--address ADDR] [--auth-token T] [server options] [engine options]
     nanostream make-tiny-model DIR
 
 Engine options are generated from ``EngineConfig``'s fields, so the dataclass stays the one source
@@ -12,21 +13,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nanostream.config import EngineConfig
+from nanostream.config import EngineConfig, ServerConfig
 from nanostream.errors import NanostreamError
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One ``--option`` per EngineConfig field (except model and ``skip``); unset ones keep the dataclass default."""
-    group = parser.add_argument_group("engine options")
-    for field in dataclasses.fields(EngineConfig):
+def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+    """One ``--option`` per field of a config dataclass; unset options keep the dataclass default."""
+    group = parser.add_argument_group(title)
+    for field in dataclasses.fields(cls):
         if field.name == "model" or field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
@@ -38,9 +40,17 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(flag, type=_TYPES[base], default=argparse.SUPPRESS, metavar=base.upper(), help=doc)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_config_args(parser, EngineConfig, "engine options", skip)
+
+
+def config_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)} - {"model"}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return config_kwargs(args, EngineConfig)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -59,6 +69,25 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or ["Once upon a time", "The engine keeps a pool of"]
     for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
         print(f"\n>>> {out.prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from nanostream.engine.server import EngineServer
+    from nanostream.tiny_model import default_model_dir
+
+    server_kwargs = config_kwargs(args, ServerConfig)
+    server_kwargs.setdefault("address", os.environ.get("NANOSTREAM_ADDRESS"))
+    server_kwargs.setdefault("auth_token", os.environ.get("NANOSTREAM_AUTH_TOKEN"))
+    server_config = ServerConfig(**server_kwargs)
+    engine_config = EngineConfig.from_kwargs(args.model or str(default_model_dir()), **engine_kwargs(args))
+    server = EngineServer(engine_config, server_config)
+
+    def ready(address: str) -> None:
+        print(f"nanostream engine ready at {address}", flush=True)
+        print(f"  clients: AsyncClient({address!r}) or NANOSTREAM_ADDRESS={address}", flush=True)
+
+    server.serve_forever(ready)
     return 0
 
 
@@ -84,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = commands.add_parser("serve", help="run an engine process that clients connect to")
+    serve.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded tiny model)")
+    add_config_args(serve, ServerConfig, "server options (NANOSTREAM_ADDRESS / NANOSTREAM_AUTH_TOKEN as defaults)")
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
 
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight model directory")
     tiny.add_argument("dir")

@@ -109,3 +109,35 @@ class EngineConfig:
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
         max_model_len = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
         return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_model_len)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of an engine process (``nanostream serve``), beside its EngineConfig."""
+
+    address: str | None = None
+    """ipc://PATH or tcp://HOST:PORT (port 0: any free port). Default: a fresh ipc:// path."""
+    auth_token: str | None = None
+    """Shared secret clients present in their hello; required to bind TCP beyond loopback."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats, each way."""
+    client_timeout: float = 10.0
+    """A client silent this long is gone: its requests are aborted and their KV blocks freed."""
+    stream_interval: int = 1
+    """Send a request's tokens every N tokens (its first and last always go at once)."""
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0:
+            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {self.heartbeat_interval!r}")
+        if not self.client_timeout > self.heartbeat_interval:
+            raise ValueError(
+                f"client_timeout ({self.client_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
+        if (
+            isinstance(self.stream_interval, bool)
+            or not isinstance(self.stream_interval, int)
+            or self.stream_interval < 1
+        ):
+            raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
+        if self.address is not None and not self.address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {self.address!r}")

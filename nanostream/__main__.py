@@ -1,0 +1,5 @@
+import sys
+
+from nanostream.cli import main
+
+sys.exit(main())

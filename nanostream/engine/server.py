@@ -1,0 +1,376 @@
+"""The engine process: an ``LLMEngine`` busy loop behind a ZeroMQ ROUTER socket.
+
+    ROUTER ──▶ io thread: recv, decode ──▶ inputs queue ──▶ busy loop (this thread):
+                                                              1. handle messages (hello, add, abort, stats)
+                                                              2. engine.step()
+                                                              3. route new tokens, one Outputs per client
+                                                              4. heartbeats, drop silent clients
+    ROUTER ◀── io thread: send ◀── inproc PULL ◀── encoder thread: encode ◀── outputs queue ◀──┘
+
+Only the io thread touches the ROUTER and only the encoder thread its PUSH end, so (de)serialisation
+and socket I/O overlap the model step and the busy loop never waits on a socket.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import queue
+import secrets
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import zmq
+
+from nanostream import protocol as p
+from nanostream.config import EngineConfig, ServerConfig
+from nanostream.engine.llm_engine import LLMEngine, RequestDelta
+from nanostream.errors import InvalidRequestError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_MESSAGE = "engine shutting down"
+
+
+def default_address() -> str:
+    """A fresh ipc:// path in the user's runtime directory."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return f"ipc://{base}/nanostream-{os.getpid()}-{secrets.token_hex(4)}.sock"
+
+
+def check_bind_address(address: str, auth_token: str | None) -> None:
+    """Refuse to expose an engine beyond this machine without a shared secret."""
+    if not address.startswith("tcp://"):
+        return
+    host = urlsplit(address).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not auth_token:
+        raise ValueError(
+            f"binding {address} exposes the engine beyond this machine; pass --auth-token (or set "
+            "NANOSTREAM_AUTH_TOKEN) so that only clients holding it can connect, or bind to 127.0.0.1"
+        )
+
+
+def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
+    """The tokenizer as files a client can load on its own, and its chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    return files, template
+
+
+@dataclass
+class _Client:
+    identity: bytes
+    last_seen: float
+    requests: set[str] = field(default_factory=set)  # the client's own request ids, open ones
+
+    @property
+    def name(self) -> str:
+        text = self.identity.decode("ascii", "replace")
+        return text if text.isprintable() and "\ufffd" not in text else self.identity.hex()
+
+
+@dataclass
+class _Pending:
+    """Tokens of one request not yet sent (stream_interval > 1 batches them)."""
+
+    identity: bytes
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_generated: int = 0
+    sent_any: bool = False
+
+
+class EngineServer:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        self.config = server_config
+        self.address = server_config.address or default_address()
+        check_bind_address(self.address, server_config.auth_token)
+        self.engine = LLMEngine(engine_config)
+        files, template = tokenizer_files(Path(engine_config.tokenizer or self.engine.model_path))
+        self.engine_id = secrets.token_hex(8)
+        self._welcome = p.encode(
+            p.Welcome(
+                protocol_version=p.PROTOCOL_VERSION,
+                engine_id=self.engine_id,
+                model=engine_config.model,
+                max_model_len=self.engine.max_model_len,
+                vocab_size=self.engine.vocab_size,
+                eos_token_ids=sorted(self.engine.eos_token_ids),
+                tokenizer_files=files,
+                chat_template=template,
+                heartbeat_interval=server_config.heartbeat_interval,
+                client_timeout=server_config.client_timeout,
+            )
+        )
+        self.clients: dict[bytes, _Client] = {}
+        self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
+        self._inputs: queue.Queue[tuple[bytes, p.ClientMessage]] = queue.Queue()
+        self._outputs: queue.Queue[tuple[bytes, bytes | p._Message] | None] = queue.Queue()
+        self._batch: dict[bytes, list[p.RequestOutput]] = {}  # this iteration's outputs, per client
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._pipe = f"inproc://nanostream-out-{self.engine_id}"
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.SNDHWM, 0)  # never drop tokens for a slow reader; silent ones time out
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 2000)
+        bind = self.address.replace(":0", ":*") if self.address.startswith("tcp://") else self.address
+        self._router.bind(bind)
+        self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        pull = self._ctx.socket(zmq.PULL)
+        pull.bind(self._pipe)
+        self._threads = [
+            threading.Thread(target=self._io_loop, args=(pull,), name="nanostream-io", daemon=True),
+            threading.Thread(target=self._encode_loop, name="nanostream-encode", daemon=True),
+        ]
+
+    # ---- threads ---------------------------------------------------------------------------------
+
+    def _io_loop(self, pull: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if pull in events:
+                    frames = pull.recv_multipart(copy=False)
+                    if len(frames) == 1:  # the encoder's end-of-stream marker
+                        break
+                    self._router.send_multipart(frames, copy=False)
+                if self._router in events:
+                    frames = self._router.recv_multipart(copy=False)
+                    identity = frames[0].bytes
+                    try:
+                        if len(frames) != 2:
+                            raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
+                        message = p.decode_client_message(frames[1].buffer)
+                    except ProtocolError as exc:
+                        log.warning("client %s: %s", identity.hex(), exc)
+                        self._router.send_multipart([identity, p.encode(p.Error(str(exc)))])
+                        continue
+                    self._inputs.put((identity, message))
+        finally:
+            pull.close(linger=0)
+            self._router.close()
+
+    def _encode_loop(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.connect(self._pipe)
+        while (item := self._outputs.get()) is not None:
+            identity, message = item
+            push.send_multipart([identity, message if isinstance(message, bytes) else p.encode(message)], copy=False)
+        push.send(b"")
+        push.close(linger=-1)
+
+    def _send(self, identity: bytes, message: bytes | p._Message) -> None:
+        self._outputs.put((identity, message))
+
+    # ---- the busy loop ---------------------------------------------------------------------------
+
+    def serve_forever(self, ready: callable | None = None) -> None:
+        """Run until SIGINT/SIGTERM (or ``stop()``); then end every open request and close cleanly."""
+        for t in self._threads:
+            t.start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self._stop.set())
+        if ready is not None:
+            ready(self.address)
+        next_beat = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                # 1. messages from clients; wait for one only while there is nothing to compute
+                self._handle_inputs(block=not self.engine.has_unfinished())
+                # 2. one engine step
+                if self.engine.has_unfinished():
+                    self._route(self.engine.step().deltas)
+                # 3. heartbeats out, silent clients dropped
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.config.heartbeat_interval
+                    self._liveness(now)
+                # 4. one Outputs message per client for everything this iteration produced
+                self._flush()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _handle_inputs(self, block: bool) -> None:
+        try:
+            item = self._inputs.get(timeout=self.config.heartbeat_interval / 2) if block else self._inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, identity: bytes, message: p.ClientMessage) -> None:
+        client = self.clients.get(identity)
+        if isinstance(message, p.Hello):
+            self._hello(identity, message)
+            return
+        if client is None:
+            self._send(identity, p.Error("send a hello first: this connection is not registered", fatal=True))
+            return
+        client.last_seen = time.monotonic()
+        if isinstance(message, p.Add):
+            self._add(client, message)
+        elif isinstance(message, p.Abort):
+            for rid in message.request_ids:
+                self._finish(client.identity, rid, "abort", None, notify=False)
+        elif isinstance(message, p.GetStats):
+            self._send(identity, self._stats())
+        elif isinstance(message, p.Bye):
+            self._drop(client, "said goodbye")
+
+    def _hello(self, identity: bytes, hello: p.Hello) -> None:
+        if hello.protocol_version != p.PROTOCOL_VERSION:
+            reason = (
+                f"protocol version {hello.protocol_version} is not supported: this engine speaks version "
+                f"{p.PROTOCOL_VERSION}; use a nanostream client of the engine's version"
+            )
+        elif self.config.auth_token and not hmac.compare_digest(
+            (hello.auth_token or "").encode(), self.config.auth_token.encode()
+        ):
+            reason = "bad or missing auth token: pass the engine's --auth-token (or NANOSTREAM_AUTH_TOKEN)"
+        else:
+            self.clients.setdefault(identity, _Client(identity, time.monotonic())).last_seen = time.monotonic()
+            log.info("client %s connected (pid %d)", identity.hex(), hello.pid)
+            self._send(identity, self._welcome)
+            return
+        log.warning("client %s refused: %s", identity.hex(), reason)
+        self._send(identity, p.Error(reason, fatal=True))
+
+    def _add(self, client: _Client, add: p.Add) -> None:
+        rid = add.request_id
+        if not rid or rid in client.requests:
+            reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=reason))
+            return
+        engine_id = f"{client.name}/{rid}"
+        try:
+            self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
+        except InvalidRequestError as exc:
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=str(exc)))
+            return
+        except Exception as exc:  # a bug must not take the engine down with it
+            log.exception("adding request %s failed", engine_id)
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=f"internal error: {exc}"))
+            return
+        client.requests.add(rid)
+        self.pending[engine_id] = _Pending(client.identity, rid)
+
+    def _route(self, deltas: list[RequestDelta]) -> None:
+        interval = self.config.stream_interval
+        for delta in deltas:
+            pend = self.pending.get(delta.request_id)
+            if pend is None:
+                continue
+            pend.token_ids += delta.new_token_ids
+            pend.logprobs += delta.new_logprobs
+            pend.num_generated += len(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
+                self._close(delta.request_id, pend, delta.finish_reason, None, usage)
+            elif not pend.sent_any or len(pend.token_ids) >= interval:
+                self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs))
+                pend.token_ids, pend.logprobs, pend.sent_any = [], [], True
+
+    def _close(self, engine_id: str, pend: _Pending, reason: str, error: str | None, usage: p.Usage | None) -> None:
+        del self.pending[engine_id]
+        client = self.clients.get(pend.identity)
+        if client is not None:
+            client.requests.discard(pend.request_id)
+        self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, reason, error, usage))
+
+    def _finish(self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool) -> None:
+        """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
+        engine_id = f"{self._name(identity)}/{rid}"
+        delta = self.engine.abort(engine_id)
+        pend = self.pending.get(engine_id)
+        if pend is None:
+            return
+        if notify:
+            usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens) if delta else None
+            self._close(engine_id, pend, reason, error, usage)
+        else:
+            del self.pending[engine_id]
+            client = self.clients.get(identity)
+            if client is not None:
+                client.requests.discard(rid)
+
+    @staticmethod
+    def _name(identity: bytes) -> str:
+        return _Client(identity, 0.0).name
+
+    def _emit(self, identity: bytes, output: p.RequestOutput) -> None:
+        self._batch.setdefault(identity, []).append(output)
+
+    def _flush(self) -> None:
+        for identity, outputs in self._batch.items():
+            self._send(identity, p.Outputs(outputs))
+        self._batch.clear()
+
+    def _stats(self) -> p.Stats:
+        sched = self.engine.scheduler
+        return p.Stats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            free_kv_blocks=self.engine.block_manager.num_free_blocks,
+            total_kv_blocks=self.engine.block_manager.num_blocks,
+            clients=len(self.clients),
+            requests_by_client={c.name: len(c.requests) for c in self.clients.values()},
+        )
+
+    def _liveness(self, now: float) -> None:
+        for client in list(self.clients.values()):
+            if now - client.last_seen > self.config.client_timeout:
+                self._drop(client, f"silent for {now - client.last_seen:.1f} s")
+            else:
+                self._send(client.identity, p.Heartbeat())
+
+    def _drop(self, client: _Client, why: str) -> None:
+        if client.requests:
+            log.warning("client %s %s: aborting its %d request(s)", client.name, why, len(client.requests))
+        for rid in list(client.requests):
+            self._finish(client.identity, rid, "abort", None, notify=False)
+        self._batch.pop(client.identity, None)
+        del self.clients[client.identity]
+
+    def _shutdown(self) -> None:
+        log.info("shutting down: ending %d open request(s)", len(self.pending))
+        for engine_id, pend in list(self.pending.items()):
+            self.engine.abort(engine_id)
+            self._close(engine_id, pend, "abort", SHUTDOWN_MESSAGE, None)
+        self._flush()
+        self._outputs.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._ctx.term()
+        if self.address.startswith("ipc://"):
+            Path(self.address[len("ipc://") :]).unlink(missing_ok=True)
