@@ -241,8 +241,8 @@ class EngineServer:
         if isinstance(message, p.Add):
             self._add(client, message)
         elif isinstance(message, p.Abort):
-            for rid in message.request_ids:
-                self._finish(client.identity, rid, "abort", None, notify=False)
+            for rid in message.request_ids:  # acknowledged with the request's terminal "abort" output
+                self._finish(client.identity, rid, "abort", None, notify=True)
         elif isinstance(message, p.GetStats):
             self._send(identity, self._stats())
         elif isinstance(message, p.Bye):
