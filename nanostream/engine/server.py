@@ -164,7 +164,7 @@ class EngineServer:
                             raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
                         message = p.decode_client_message(frames[1].buffer)
                     except ProtocolError as exc:
-                        log.warning("client %s: %s", identity.hex(), exc)
+                        log.warning("client %s: %s", self._name(identity), exc)
                         self._router.send_multipart([identity, p.encode(p.Error(str(exc)))])
                         continue
                     self._inputs.put((identity, message))
@@ -260,10 +260,10 @@ class EngineServer:
             reason = "bad or missing auth token: pass the engine's --auth-token (or NANOSTREAM_AUTH_TOKEN)"
         else:
             self.clients.setdefault(identity, _Client(identity, time.monotonic())).last_seen = time.monotonic()
-            log.info("client %s connected (pid %d)", identity.hex(), hello.pid)
+            log.info("client %s connected (pid %d)", self._name(identity), hello.pid)
             self._send(identity, self._welcome)
             return
-        log.warning("client %s refused: %s", identity.hex(), reason)
+        log.warning("client %s refused: %s", self._name(identity), reason)
         self._send(identity, p.Error(reason, fatal=True))
 
     def _add(self, client: _Client, add: p.Add) -> None:
