@@ -162,16 +162,22 @@ class Stream:
         try:
             while True:
                 token_ids, logprobs, finish = await self._mailbox.take()
-                self._generated += len(token_ids)
                 self._usage = self._mailbox.usage or self._usage
                 if finish == "error":
                     raise InvalidRequestError(self._mailbox.error or "the engine rejected the request")
                 if finish == "abort" and self._mailbox.error:
                     raise EngineDeadError(self._mailbox.error)
+                seen = self._detok.num_output_tokens
                 text = self._detok.add(token_ids)
-                if finish is None and self._detok.stopped_by is not None:
-                    finish = "stop"  # a stop string: tell the engine to stop now
-                    self.client._abort(self.request_id)
+                if self._detok.stopped_by is not None:
+                    # A stop string: the output ends with the token that completed it, whatever else
+                    # the engine had sent meanwhile; tell the engine to stop now if it has not.
+                    used = self._detok.num_output_tokens - seen
+                    token_ids, logprobs = token_ids[:used], logprobs[:used]
+                    if finish is None:
+                        self.client._abort(self.request_id)
+                    finish = "stop"
+                self._generated += len(token_ids)
                 if finish is not None:
                     self._done = True
                     self.client._mailboxes.pop(self.request_id, None)

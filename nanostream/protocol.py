@@ -143,3 +143,16 @@ def decode_client_message(frame: bytes | memoryview) -> ClientMessage:
 
 def decode_engine_message(frame: bytes | memoryview) -> EngineMessage:
     return _decode(_engine_decoder, frame)
+
+
+def refusal(frame: bytes, error: ProtocolError) -> Error | Outputs:
+    """The reply to a frame that failed to decode: the request's terminal error output when the frame
+    is an ``add`` whose request_id can still be read (so the client's stream ends), else an Error."""
+    if len(frame) <= MAX_MESSAGE_BYTES:
+        try:
+            raw = msgspec.msgpack.decode(frame)  # plain maps and lists: nothing is executed
+        except msgspec.DecodeError:
+            raw = None
+        if isinstance(raw, dict) and raw.get("type") == "add" and isinstance(raw.get("request_id"), str):
+            return Outputs([RequestOutput(raw["request_id"], finish_reason="error", error=str(error))])
+    return Error(str(error))

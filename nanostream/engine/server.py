@@ -81,8 +81,7 @@ class _Client:
 
     @property
     def name(self) -> str:
-        text = self.identity.decode("ascii", "replace")
-        return text if text.isprintable() and "\ufffd" not in text else self.identity.hex()
+        return self.identity.hex()  # unique per identity: it keys the client's requests in the engine
 
 
 @dataclass
@@ -164,8 +163,8 @@ class EngineServer:
                             raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
                         message = p.decode_client_message(frames[1].buffer)
                     except ProtocolError as exc:
-                        log.warning("client %s: %s", self._name(identity), exc)
-                        self._router.send_multipart([identity, p.encode(p.Error(str(exc)))])
+                        log.warning("client %s: %s", identity.hex(), exc)
+                        self._router.send_multipart([identity, p.encode(p.refusal(frames[-1].bytes, exc))])
                         continue
                     self._inputs.put((identity, message))
         finally:
@@ -260,10 +259,12 @@ class EngineServer:
             reason = "bad or missing auth token: pass the engine's --auth-token (or NANOSTREAM_AUTH_TOKEN)"
         else:
             self.clients.setdefault(identity, _Client(identity, time.monotonic())).last_seen = time.monotonic()
-            log.info("client %s connected (pid %d)", self._name(identity), hello.pid)
+            log.info("client %s connected (pid %d)", identity.hex(), hello.pid)
             self._send(identity, self._welcome)
             return
-        log.warning("client %s refused: %s", self._name(identity), reason)
+        log.warning("client %s refused: %s", identity.hex(), reason)
+        if identity in self.clients:
+            self._drop(self.clients[identity], "was refused")
         self._send(identity, p.Error(reason, fatal=True))
 
     def _add(self, client: _Client, add: p.Add) -> None:
@@ -298,7 +299,14 @@ class EngineServer:
                 usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
                 self._close(delta.request_id, pend, delta.finish_reason, None, usage)
             elif not pend.sent_any or len(pend.token_ids) >= interval:
-                self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs))
+                # The first output also carries usage so far (prompt and cached tokens), for a client
+                # that ends the request itself (stop string) and so never sees the last one.
+                usage = (
+                    None
+                    if pend.sent_any
+                    else p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
+                )
+                self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, usage=usage))
                 pend.token_ids, pend.logprobs, pend.sent_any = [], [], True
 
     def _close(self, engine_id: str, pend: _Pending, reason: str, error: str | None, usage: p.Usage | None) -> None:
@@ -310,7 +318,7 @@ class EngineServer:
 
     def _finish(self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool) -> None:
         """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
-        engine_id = f"{self._name(identity)}/{rid}"
+        engine_id = f"{identity.hex()}/{rid}"
         delta = self.engine.abort(engine_id)
         pend = self.pending.get(engine_id)
         if pend is None:
@@ -323,10 +331,6 @@ class EngineServer:
             client = self.clients.get(identity)
             if client is not None:
                 client.requests.discard(rid)
-
-    @staticmethod
-    def _name(identity: bytes) -> str:
-        return _Client(identity, 0.0).name
 
     def _emit(self, identity: bytes, output: p.RequestOutput) -> None:
         self._batch.setdefault(identity, []).append(output)
