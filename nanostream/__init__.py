@@ -1,9 +1,14 @@
 """nanostream: stream tokens from a local LLM into async Python code.
 
-from nanostream import LLM, SamplingParams
-llm = LLM("/models/Qwen3-0.6B")
-print(llm.generate("Hello", SamplingParams(max_tokens=32))[0].text)
+    from nanostream import LLM, SamplingParams
+    llm = LLM("/models/Qwen3-0.6B")
+    print(llm.generate("Hello", SamplingParams(max_tokens=32))[0].text)
+
+``LLM`` (which needs torch) is imported on first use, so client processes that only stream from an
+engine start quickly.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from nanostream.client import AsyncClient, Completion, Stream, StreamChunk
 from nanostream.config import EngineConfig, ServerConfig
@@ -15,9 +20,20 @@ from nanostream.errors import (
     NanostreamError,
     ProtocolError,
 )
-from nanostream.llm import LLM
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanostream.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from nanostream.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'nanostream' has no attribute {name!r}")
+
 
 __all__ = [
     "LLM",

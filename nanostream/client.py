@@ -148,8 +148,10 @@ class Stream:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def __aiter__(self) -> Stream:
-        return self
+    def __aiter__(self) -> _StreamIterator:
+        # A fresh iterator that only the `async for` holds: `break` drops it, which aborts the request
+        # even while the caller still holds the Stream.
+        return _StreamIterator(self)
 
     def _start(self) -> None:
         if self._mailbox is None:
@@ -207,6 +209,20 @@ class Stream:
         # `async for ... : break` drops the last reference: abort at once rather than decode on.
         with contextlib.suppress(Exception):
             self._close_now()
+
+
+class _StreamIterator:
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> _StreamIterator:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        return await self.stream.__anext__()
+
+    def __del__(self) -> None:
+        self.stream.__del__()
 
 
 class AsyncClient:
@@ -355,6 +371,9 @@ class AsyncClient:
                     event, slot = self._stats_waiters.pop(0)
                     slot.append(message)
                     event.set()
+                elif isinstance(message, p.Shutdown):
+                    self._die(EngineDeadError(f"the engine at {self.address} shut down: {message.reason}"))
+                    return
                 elif isinstance(message, p.Error):
                     log.warning("engine error: %s", message.message)
                     if message.fatal:

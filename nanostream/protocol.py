@@ -10,6 +10,7 @@
                                         ◀──       Stats(running, waiting, free blocks, ...)
     Heartbeat()                         ◀─▶       Heartbeat()          both ways, every interval
                                         ◀──       Error(message)       malformed, unknown, unauthorised
+                                        ◀──       Shutdown(reason)     the engine is stopping
     Bye()                               ──▶
 
 Each message is one ZeroMQ frame: a msgpack map whose "type" field names the struct. Decoding is
@@ -114,8 +115,14 @@ class Error(_Message, tag="error"):
     fatal: bool = False  # the engine will not serve this connection further (e.g. bad version or token)
 
 
+class Shutdown(_Message, tag="shutdown"):
+    """The engine is going away; sent after the terminal outputs of the client's open requests."""
+
+    reason: str
+
+
 ClientMessage = Hello | Add | Abort | GetStats | Heartbeat | Bye
-EngineMessage = Welcome | Outputs | Stats | Heartbeat | Error
+EngineMessage = Welcome | Outputs | Stats | Heartbeat | Error | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)

@@ -183,6 +183,7 @@ ROUND_TRIP = [
     ),
     p.Stats(1, 2, 3, 4, 5, {"c": 1}),
     p.Error("nope", fatal=True),
+    p.Shutdown("engine shutting down"),
 ]
 
 

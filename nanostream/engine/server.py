@@ -372,6 +372,8 @@ class EngineServer:
             self.engine.abort(engine_id)
             self._close(engine_id, pend, "abort", SHUTDOWN_MESSAGE, None)
         self._flush()
+        for identity in self.clients:
+            self._send(identity, p.Shutdown(SHUTDOWN_MESSAGE))
         self._outputs.put(None)
         for t in self._threads:
             t.join(timeout=5)
