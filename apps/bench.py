@@ -38,9 +38,10 @@ import json
 import random
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,8 +165,14 @@ def make_warmup(seed: int, vocab_size: int, n: int) -> list[Request]:
 
 
 def run_nanostream(
-    model: Path, workload: list[Request], warmup: list[Request], engine_kwargs: dict, seed: int
+    model: Path,
+    workload: list[Request],
+    warmup: list[Request],
+    engine_kwargs: dict,
+    seed: int,
+    instrument: Callable[[LLM], None] | None = None,
 ) -> Result:
+    """Warm up, then time one ``generate`` of the workload; ``instrument(llm)`` runs between the two."""
     llm = LLM(str(model), seed=seed, **engine_kwargs)
     cfg = llm.config
     print(
@@ -178,6 +185,8 @@ def run_nanostream(
         [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in warmup],
         use_tqdm=False,
     )
+    if instrument is not None:
+        instrument(llm)
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     sync(cfg.device)
@@ -237,28 +246,31 @@ def run_hf(
     return Result(f"hf (bs={batch_size})", len(workload), prompt_tokens, output_tokens, elapsed)
 
 
+def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Lines of a plain-text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]) for row in rows]
+
+
 def summary(results: list[Result]) -> str:
     rows = [("engine", "requests", "out tok", "time s", "out tok/s", "total tok/s")]
     rows += [(r.name, str(r.num_requests), str(r.output_tokens), f"{r.elapsed:.2f}", *r.rates()) for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]) for row in rows]
+    lines = format_table(rows)
     if len(results) == 2:
         ratio = results[0].output_tps / results[1].output_tps
         lines.append(f"nanostream / {results[1].name} output tok/s: {ratio:.2f}x")
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's and the model's options (apps/bench_stream.py takes them too)."""
     parser.add_argument("--seed", type=int, default=0, help="random.seed of the workload; also the engine's seed")
     parser.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
     parser.add_argument("--min-input-len", type=int, default=100, help="shortest prompt, in tokens")
     parser.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
     parser.add_argument("--min-output-len", type=int, default=100, help="smallest max_tokens")
     parser.add_argument("--max-output-len", type=int, default=1024, help="largest max_tokens")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads for both engines; None: torch's own")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads of every engine; None: torch's own")
     model = parser.add_argument_group("model (default: the tiny random model, built into a temp dir)")
     model.add_argument("--model", help="a Hugging Face model directory (or hub id) instead of a built one")
     model.add_argument("--preset", choices=sorted(PRESETS), help="build a random-weight model of this shape")
@@ -267,16 +279,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='JSON of make_tiny_model overrides, over --preset: \'{"hidden_size": 256, "num_hidden_layers": 4}\'',
     )
     model.add_argument("--build-dir", help="build the model here and keep it; reused when built with the same settings")
-    hf_group = parser.add_argument_group("Hugging Face baseline")
-    hf_group.add_argument("--hf", action="store_true", help="also time transformers' generate on the same workload")
-    hf_group.add_argument("--hf-batch-size", type=int, default=16, help="requests per static HF batch")
-    add_engine_args(parser, skip=("seed",))
-    args = parser.parse_args(argv)
+
+
+def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` on bad workload or model options; parses ``--tiny-config`` in place."""
     for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
         if not 1 <= getattr(args, lo) <= getattr(args, hi):
             parser.error(f"need 1 <= --{lo.replace('_', '-')} <= --{hi.replace('_', '-')}")
-    if args.num_requests < 1 or args.hf_batch_size < 1:
-        parser.error("--num-requests and --hf-batch-size must be positive")
+    if args.num_requests < 1:
+        parser.error("--num-requests must be positive")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be positive")
     try:
         args.tiny_config = json.loads(args.tiny_config or "{}")
     except json.JSONDecodeError as exc:
@@ -285,38 +298,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--tiny-config must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
     if args.model and (args.preset or args.tiny_config or args.build_dir):
         parser.error("--model runs an existing model; --preset, --tiny-config and --build-dir build one: pick one")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line, less ``seed`` (``--seed`` is the workload's)."""
+    return {k: v for k, v in engine_args(args).items() if k != "seed"}
+
+
+def load_workload(
+    args: argparse.Namespace, model: Path, engine_kwargs: dict
+) -> tuple[Any, EngineConfig, list[Request]]:
+    """The model's HF config, the resolved engine config and the workload; prints what they are."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model)
+    cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
+        max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
+    )
+    if args.max_input_len + args.max_output_len > cfg.max_model_len:
+        raise SystemExit(
+            f"--max-input-len + --max-output-len ({args.max_input_len + args.max_output_len}) exceeds "
+            f"max_model_len ({cfg.max_model_len}); lower them or raise --max-model-len"
+        )
+    workload = make_workload(args, hf_config.vocab_size)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    print(
+        f"workload: {len(workload)} requests, seed {args.seed}, {prompt_tokens} prompt tokens "
+        f"(len {args.min_input_len}-{args.max_input_len}), {sum(r.max_tokens for r in workload)} output tokens "
+        f"(len {args.min_output_len}-{args.max_output_len}), temperature {TEMPERATURE}, ignore_eos"
+    )
+    print(f"env: {environment(cfg.device)}")
+    print(
+        f"model: {model}, {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
+        f"vocab {hf_config.vocab_size}"
+    )
+    return hf_config, cfg, workload
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_workload_args(parser)
+    hf_group = parser.add_argument_group("Hugging Face baseline")
+    hf_group.add_argument("--hf", action="store_true", help="also time transformers' generate on the same workload")
+    hf_group.add_argument("--hf-batch-size", type=int, default=16, help="requests per static HF batch")
+    add_engine_args(parser, skip=("seed",))
+    args = parser.parse_args(argv)
+    check_workload_args(parser, args)
+    if args.hf_batch_size < 1:
+        parser.error("--hf-batch-size must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers import AutoConfig
-
     args = parse_args(argv)
-    engine_kwargs = {k: v for k, v in engine_args(args).items() if k != "seed"}  # --seed is the workload's
+    engine_kwargs = engine_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     with model_dir(args) as model:
-        hf_config = AutoConfig.from_pretrained(model)
-        cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
-            max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
-        )
-        if args.max_input_len + args.max_output_len > cfg.max_model_len:
-            raise SystemExit(
-                f"--max-input-len + --max-output-len ({args.max_input_len + args.max_output_len}) exceeds "
-                f"max_model_len ({cfg.max_model_len}); lower them or raise --max-model-len"
-            )
-        workload = make_workload(args, hf_config.vocab_size)
-        prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-        print(
-            f"workload: {len(workload)} requests, seed {args.seed}, {prompt_tokens} prompt tokens "
-            f"(len {args.min_input_len}-{args.max_input_len}), {sum(r.max_tokens for r in workload)} output tokens "
-            f"(len {args.min_output_len}-{args.max_output_len}), temperature {TEMPERATURE}, ignore_eos"
-        )
-        print(f"env: {environment(cfg.device)}")
-        print(
-            f"model: {model}, {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
-            f"vocab {hf_config.vocab_size}"
-        )
+        hf_config, cfg, workload = load_workload(args, model, engine_kwargs)
         warmup = make_warmup(args.seed, hf_config.vocab_size, max(2, args.hf_batch_size))
         results = []
         hf_result = run_hf(model, workload, warmup, cfg, args.hf_batch_size, args.seed) if args.hf else None
