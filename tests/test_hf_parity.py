@@ -39,7 +39,7 @@ def assert_matches_hf(hf, prompts, outputs, n):
 
 def test_mixed_batch_matches_hf(model_dir, hf_model_cache):
     prompts = random_prompts([1, 7, 16, 33, 100, 257], seed=0)
-    llm = LLM(str(model_dir), kvcache_block_size=16)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=16)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
 
@@ -47,7 +47,7 @@ def test_mixed_batch_matches_hf(model_dir, hf_model_cache):
 def test_prefix_cache_hits_match_hf(model_dir, hf_model_cache):
     prefix = random_prompts([80], seed=1)[0]
     prompts = [prefix + tail for tail in random_prompts([5, 17, 1], seed=2)]
-    llm = LLM(str(model_dir), kvcache_block_size=16)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=16)
     first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert first[0].num_cached_tokens == 0
@@ -60,7 +60,7 @@ def test_prefix_cache_hits_match_hf(model_dir, hf_model_cache):
 
 def test_chunked_prefill_matches_hf(model_dir, hf_model_cache):
     prompts = random_prompts([150, 9, 61], seed=3)
-    llm = LLM(str(model_dir), kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
 
@@ -68,7 +68,7 @@ def test_chunked_prefill_matches_hf(model_dir, hf_model_cache):
 def test_preemption_matches_hf(model_dir, hf_model_cache):
     prompts = random_prompts([20, 27, 13, 40, 22, 31], seed=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    llm = LLM(str(model_dir), kvcache_block_size=8, num_kvcache_blocks=16, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, enable_prefix_caching=False)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == 16
@@ -79,7 +79,14 @@ def test_preemption_with_prefix_cache_matches_hf(qwen3_dir, hf_model_cache):
     shared = random_prompts([24], seed=5)[0]
     prompts = [shared + p for p in random_prompts([3, 9, 14, 6], seed=6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(str(qwen3_dir), kvcache_block_size=8, num_kvcache_blocks=18, max_num_batched_tokens=48, max_num_seqs=4)
+    llm = LLM(
+        str(qwen3_dir),
+        device="cpu",
+        kvcache_block_size=8,
+        num_kvcache_blocks=18,
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, params.max_tokens)
@@ -87,7 +94,7 @@ def test_preemption_with_prefix_cache_matches_hf(qwen3_dir, hf_model_cache):
 
 def test_prefill_logits_match_hf(model_dir, hf_model_cache):
     prompt = random_prompts([45], seed=7)[0]
-    llm = LLM(str(model_dir), kvcache_block_size=16)
+    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=16)
     runner = llm.engine.runner
     seq = Sequence("p", prompt, GREEDY, max_tokens=1, sampling_seed=0, stop_token_ids=frozenset())
     seq.block_table = list(range(3))
@@ -103,7 +110,7 @@ def test_prefill_logits_match_hf(model_dir, hf_model_cache):
 @pytest.mark.parametrize("block_size", [1, 5, 32])
 def test_block_sizes_match_hf(qwen3_dir, hf_model_cache, block_size):
     prompts = random_prompts([3, 40, 71], seed=8)
-    llm = LLM(str(qwen3_dir), kvcache_block_size=block_size)
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=block_size)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, GREEDY.max_tokens)
 
@@ -135,5 +142,5 @@ def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
     build_tokenizer().save_pretrained(tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     prompts = random_prompts([12, 50], seed=9)
-    outputs = LLM(str(tmp_path), kvcache_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
+    outputs = LLM(str(tmp_path), device="cpu", kvcache_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf_model_cache(tmp_path), prompts, outputs, GREEDY.max_tokens)

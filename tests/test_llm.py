@@ -11,7 +11,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), kvcache_block_size=16)
+    return LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16)
 
 
 def test_prompt_forms_and_order(llm):
@@ -88,8 +88,8 @@ def test_seeded_sampling_reproducible_and_batch_independent(llm):
 
 def test_engine_seed_makes_unseeded_runs_repeatable(qwen3_dir):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    a = LLM(str(qwen3_dir), seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
-    b = LLM(str(qwen3_dir), seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
+    a = LLM(str(qwen3_dir), device="cpu", seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
+    b = LLM(str(qwen3_dir), device="cpu", seed=7).generate([[3, 4], [5]], params, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
@@ -128,7 +128,9 @@ def test_progress_bar_reports_throughput(llm, capsys):
 
 
 def test_abort_in_every_state_returns_every_block(qwen3_dir):
-    engine = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=2))
+    engine = LLMEngine(
+        EngineConfig(str(qwen3_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=2)
+    )
     total = engine.block_manager.num_blocks
     engine.add_request("decoding", list(range(3, 13)), GREEDY)
     engine.step()  # admitted and prefilled in full

@@ -30,7 +30,8 @@ from nanostream.engine.launch import EngineProcess
 from nanostream.tiny_model import build_tokenizer, make_tiny_model
 
 # Small, explicit KV pools: engines start fast, and a leaked block shows in the free-block count.
-ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96)
+# CPU engines: the subject is the protocol, and several engines run at once (also on a GPU machine).
+ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")
 PROMPT = "Once upon a time"  # the tiny model's greedy continuation of it has partial-UTF-8 byte tokens
 GREEDY = dict(temperature=0.0, max_tokens=64, ignore_eos=True)
 TOKEN = "s3cret-token-for-tests"

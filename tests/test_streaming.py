@@ -28,7 +28,9 @@ import pytest
 from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
 from nanostream.engine.launch import EngineProcess
 
-ENGINE_OPTIONS = dict(kvcache_block_size=16)
+# The streaming layer is the subject here: CPU engines, several at once, also on a GPU machine
+# (where each would otherwise claim gpu_memory_utilization of the one device).
+ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 CLIENT_TIMEOUT = 1.5  # the tuned engine's: a client silent this long is dropped
 TUNED_OPTIONS = dict(stream_interval=4, heartbeat_interval=0.2, client_timeout=CLIENT_TIMEOUT, **ENGINE_OPTIONS)
 # A request that runs for seconds (2000 decode steps) unless it is aborted.

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(str(qwen3_dir), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=64)
+    return LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=64)
 
 
 @pytest.mark.parametrize(
@@ -37,8 +37,8 @@ def test_bad_request_rejected_and_engine_still_serves(llm, prompt, params, match
 
 
 def test_rejection_midway_leaves_running_requests_untouched(qwen3_dir):
-    engine = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=16, max_model_len=256))
-    ref = LLMEngine(EngineConfig(str(qwen3_dir), kvcache_block_size=16, max_model_len=256))
+    engine = LLMEngine(EngineConfig(str(qwen3_dir), device="cpu", kvcache_block_size=16, max_model_len=256))
+    ref = LLMEngine(EngineConfig(str(qwen3_dir), device="cpu", kvcache_block_size=16, max_model_len=256))
 
     def run(eng, reject_at):
         eng.add_request("a", list(range(10, 50)), GREEDY)
@@ -61,14 +61,14 @@ def test_rejection_midway_leaves_running_requests_untouched(qwen3_dir):
 
 
 def test_too_many_blocks_rejected(qwen3_dir):
-    llm = LLM(str(qwen3_dir), kvcache_block_size=16, num_kvcache_blocks=4)
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16, num_kvcache_blocks=4)
     with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the cache has only 4"):
         llm.generate([list(range(3, 60))], SamplingParams(max_tokens=20), use_tqdm=False)
     assert len(llm.generate([list(range(3, 40))], GREEDY, use_tqdm=False)[0].token_ids) == 8
 
 
 def test_max_tokens_none_fills_the_context(qwen3_dir):
-    llm = LLM(str(qwen3_dir), kvcache_block_size=16, max_model_len=40)
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16, max_model_len=40)
     out = llm.generate(
         [list(range(3, 33))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False
     )
@@ -104,7 +104,7 @@ def test_sampling_params_normalises_stop():
 
 def test_unknown_config_key_is_a_type_error(qwen3_dir):
     with pytest.raises(TypeError, match=r"unknown engine option\(s\) 'max_num_seq'.*valid options are"):
-        LLM(str(qwen3_dir), max_num_seq=4)
+        LLM(str(qwen3_dir), device="cpu", max_num_seq=4)
 
 
 @pytest.mark.parametrize(
@@ -142,14 +142,14 @@ def test_unsupported_architecture_names_supported_ones(qwen3_dir, tmp_path):
     cfg["architectures"] = ["LlamaForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM, Qwen2ForCausalLM"):
-        LLM(str(model))
+        LLM(str(model), device="cpu")
 
 
 def test_missing_model_directory(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ModelLoadError, match="no config.json"):
-        LLM(str(tmp_path))
+        LLM(str(tmp_path), device="cpu")
 
 
 def test_missing_weights_are_named(qwen3_dir, tmp_path):
@@ -161,7 +161,7 @@ def test_missing_weights_are_named(qwen3_dir, tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"model.layers.1.self_attn.qkv_proj.weight"):
-        LLM(str(model))
+        LLM(str(model), device="cpu")
 
 
 def test_hub_id_without_network_says_to_pass_a_directory(monkeypatch):
