@@ -2,8 +2,15 @@
 # One call on the GPU machine: the gpu-marked tests, then the offline benchmark on a Qwen3-0.6B-shaped
 # model; logs go to $OUT (or ./gpu-out), a short table is printed last.
 #   usage: bash apps/gpu_suite.sh [extra apps/bench.py options]
+# The GPU machine lacks pyzmq and msgspec: carry their cp312 wheels in .whl/ (git-ignored), e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       -d .whl pyzmq msgspec
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+site=/tmp/nanostream-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-gpu-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
