@@ -1,23 +1,18 @@
-"""The engine process: an ``LLMEngine`` busy loop behind a ZeroMQ ROUTER socket.
+"""The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
 
-    ROUTER ──▶ io thread: recv, decode ──▶ inputs queue ──▶ busy loop (this thread):
-                                                              1. handle messages (hello, add, abort, stats)
-                                                              2. engine.step()
-                                                              3. route new tokens, one Outputs per client
-                                                              4. heartbeats, drop silent clients
-    ROUTER ◀── io thread: send ◀── inproc PULL ◀── encoder thread: encode ◀── outputs queue ◀──┘
-
-Only the io thread touches the ROUTER and only the encoder thread its PUSH end, so (de)serialisation
-and socket I/O overlap the model step and the busy loop never waits on a socket.
+    transport.inputs ──▶ busy loop (this thread):
+                           1. handle messages (hello, add, abort, stats)
+                           2. engine.step()
+                           3. route new tokens, one Outputs per client
+                           4. heartbeats, drop silent clients
+                         ──▶ transport.send() ──▶ encoder and io threads ──▶ clients
 """
 
 from __future__ import annotations
 
 import gc
 import hmac
-import ipaddress
 import logging
-import os
 import queue
 import secrets
 import signal
@@ -26,40 +21,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
-
-import zmq
 
 from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.engine.llm_engine import LLMEngine, RequestDelta
-from nanostream.errors import InvalidRequestError, ProtocolError
+from nanostream.engine.transport import Transport, check_bind_address, default_address
+from nanostream.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "engine shutting down"
-
-
-def default_address() -> str:
-    """A fresh ipc:// path in the user's runtime directory."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return f"ipc://{base}/nanostream-{os.getpid()}-{secrets.token_hex(4)}.sock"
-
-
-def check_bind_address(address: str, auth_token: str | None) -> None:
-    """Refuse to expose an engine beyond this machine without a shared secret."""
-    if not address.startswith("tcp://"):
-        return
-    host = urlsplit(address).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not auth_token:
-        raise ValueError(
-            f"binding {address} exposes the engine beyond this machine; pass --auth-token (or set "
-            "NANOSTREAM_AUTH_TOKEN) so that only clients holding it can connect, or bind to 127.0.0.1"
-        )
 
 
 def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
@@ -121,76 +92,19 @@ class EngineServer:
         )
         self.clients: dict[bytes, _Client] = {}
         self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
-        self._inputs: queue.Queue[tuple[bytes, p.ClientMessage]] = queue.Queue()
-        self._outputs: queue.Queue[tuple[bytes, bytes | p._Message] | None] = queue.Queue()
         self._batch: dict[bytes, list[p.RequestOutput]] = {}  # this iteration's outputs, per client
         self._stop = threading.Event()
-        self._ctx = zmq.Context()
-        self._pipe = f"inproc://nanostream-out-{self.engine_id}"
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        self._router.setsockopt(zmq.SNDHWM, 0)  # never drop tokens for a slow reader; silent ones time out
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        self._router.setsockopt(zmq.LINGER, 2000)
-        bind = self.address.replace(":0", ":*") if self.address.startswith("tcp://") else self.address
-        self._router.bind(bind)
-        self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        pull = self._ctx.socket(zmq.PULL)
-        pull.bind(self._pipe)
-        self._threads = [
-            threading.Thread(target=self._io_loop, args=(pull,), name="nanostream-io", daemon=True),
-            threading.Thread(target=self._encode_loop, name="nanostream-encode", daemon=True),
-        ]
-
-    # ---- threads ---------------------------------------------------------------------------------
-
-    def _io_loop(self, pull: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll())
-                if pull in events:
-                    frames = pull.recv_multipart(copy=False)
-                    if len(frames) == 1:  # the encoder's end-of-stream marker
-                        break
-                    self._router.send_multipart(frames, copy=False)
-                if self._router in events:
-                    frames = self._router.recv_multipart(copy=False)
-                    identity = frames[0].bytes
-                    try:
-                        if len(frames) != 2:
-                            raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
-                        message = p.decode_client_message(frames[1].buffer)
-                    except ProtocolError as exc:
-                        log.warning("client %s: %s", identity.hex(), exc)
-                        self._router.send_multipart([identity, p.encode(p.refusal(frames[-1].bytes, exc))])
-                        continue
-                    self._inputs.put((identity, message))
-        finally:
-            pull.close(linger=0)
-            self._router.close()
-
-    def _encode_loop(self) -> None:
-        push = self._ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 0)
-        push.connect(self._pipe)
-        while (item := self._outputs.get()) is not None:
-            identity, message = item
-            push.send_multipart([identity, message if isinstance(message, bytes) else p.encode(message)], copy=False)
-        push.send(b"")
-        push.close(linger=-1)
+        self.transport = Transport(self.address)
+        self.address = self.transport.address
 
     def _send(self, identity: bytes, message: bytes | p._Message) -> None:
-        self._outputs.put((identity, message))
+        self.transport.send(identity, message)
 
     # ---- the busy loop ---------------------------------------------------------------------------
 
     def serve_forever(self, ready: callable | None = None) -> None:
         """Run until SIGINT/SIGTERM (or ``stop()``); then end every open request and close cleanly."""
-        for t in self._threads:
-            t.start()
+        self.transport.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: self._stop.set())
@@ -223,13 +137,14 @@ class EngineServer:
 
     def _handle_inputs(self, block: bool) -> None:
         try:
-            item = self._inputs.get(timeout=self.config.heartbeat_interval / 2) if block else self._inputs.get_nowait()
+            inputs = self.transport.inputs
+            item = inputs.get(timeout=self.config.heartbeat_interval / 2) if block else inputs.get_nowait()
         except queue.Empty:
             return
         while True:
             self._handle(*item)
             try:
-                item = self._inputs.get_nowait()
+                item = self.transport.inputs.get_nowait()
             except queue.Empty:
                 return
 
@@ -379,9 +294,4 @@ class EngineServer:
         self._flush()
         for identity in self.clients:
             self._send(identity, p.Shutdown(SHUTDOWN_MESSAGE))
-        self._outputs.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
-        self._ctx.term()
-        if self.address.startswith("ipc://"):
-            Path(self.address[len("ipc://") :]).unlink(missing_ok=True)
+        self.transport.close()
