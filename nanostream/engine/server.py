@@ -1,11 +1,11 @@
 """The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
 
-    transport.inputs ──▶ busy loop (this thread):
-                           1. handle messages (hello, add, abort, stats)
-                           2. engine.step()
-                           3. route new tokens, one Outputs per client
-                           4. heartbeats, drop silent clients
-                         ──▶ transport.send() ──▶ encoder and io threads ──▶ clients
+transport.inputs ──▶ busy loop (this thread):
+                       1. handle messages (hello, add, abort, stats)
+                       2. engine.step()
+                       3. route new tokens, one Outputs per client
+                       4. heartbeats, drop silent clients
+                     ──▶ transport.send() ──▶ encoder and io threads ──▶ clients
 """
 
 from __future__ import annotations
