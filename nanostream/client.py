@@ -254,8 +254,7 @@ class AsyncClient:
         return mailbox
 
     def _abort(self, request_id: str) -> None:
-        if self._mailboxes.pop(request_id, None) is None and self._state != "open":
-            return
+        self._mailboxes.pop(request_id, None)
         if self._state == "open":
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(p.encode(p.Abort([request_id])), flags=zmq.NOBLOCK)

@@ -181,4 +181,5 @@ class _StreamIterator:
         return await self.stream.__anext__()
 
     def __del__(self) -> None:
-        self.stream.__del__()
+        with contextlib.suppress(Exception):
+            self.stream._close_now()

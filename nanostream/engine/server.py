@@ -103,7 +103,7 @@ class EngineServer:
     # ---- the busy loop ---------------------------------------------------------------------------
 
     def serve_forever(self, ready: callable | None = None) -> None:
-        """Run until SIGINT/SIGTERM (or ``stop()``); then end every open request and close cleanly."""
+        """Run until SIGINT/SIGTERM; then end every open request and close cleanly."""
         self.transport.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -131,9 +131,6 @@ class EngineServer:
                 self._flush()
         finally:
             self._shutdown()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def _handle_inputs(self, block: bool) -> None:
         try:
