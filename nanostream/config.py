@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,12 @@ class EngineConfig:
     device: str = "auto"
     """auto: cuda when available, else cpu. Any torch device string ("cuda:1") is accepted."""
     attention_backend: str = "auto"
+    """auto, flash_attn (FlashAttention-4 or -2), triton (nanostream's kernels) or torch (reference).
+    auto: on CUDA, flash_attn when installed and supported, else triton; elsewhere torch."""
     enforce_eager: bool = False
-    """Run the model eagerly (no CUDA graphs)."""
+    """Run decode steps eagerly instead of replaying CUDA graphs."""
+    torch_compile: bool = True
+    """Compile the elementwise layers (RMSNorm, rotary, SiLU-and-mul) with torch.compile on CUDA."""
     tensor_parallel_size: int = 1
     seed: int = 0
     """Seeds the sampling of requests that bring no seed of their own."""

@@ -1,7 +1,37 @@
+import os
+
 import pytest
 import torch
 
-from nanostream.tiny_model import make_tiny_model
+# Without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before any
+# kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_triton_interpreter() -> None:
+    """Let the interpreter use a loaded scalar as a loop bound under NumPy >= 2.4.
+
+    Triton 3.6's interpreter holds a loaded scalar as a 1-element array and converts it with ``int()``,
+    which NumPy 2.4 no longer allows for arrays with a dimension; compiled kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_interpreter()
+
+from nanostream.tiny_model import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
-"""The engine on a CUDA GPU (skipped without one): float32 token-identical to transformers."""
+"""The engine on a CUDA GPU (skipped without one): float32 token-identical to transformers with every
+backend, with and without CUDA graphs; bfloat16 backends agree with the torch reference backend."""
 
 import random
 
@@ -10,7 +11,12 @@ from nanostream import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_dir, hf_model_cache):
+@pytest.mark.parametrize(
+    "backend, enforce_eager", [("torch", True), ("triton", True), ("triton", False)], ids=lambda x: str(x)
+)
+def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(
+    qwen3_dir, hf_model_cache, backend, enforce_eager
+):
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 70, 23, 150, 4)]
@@ -19,11 +25,14 @@ def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_di
         str(qwen3_dir),
         device="cuda",
         dtype="float32",
+        attention_backend=backend,
+        enforce_eager=enforce_eager,
         kvcache_block_size=16,
         num_kvcache_blocks=30,
         max_num_batched_tokens=64,
         max_num_seqs=8,
     )
+    assert (llm.engine.runner.graphs is not None) == (not enforce_eager)
     first = llm.generate(prompts[:1], params, use_tqdm=False)
     outputs = first + llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -33,6 +42,46 @@ def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_di
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert out.token_ids == ref[0, len(prompt) :].tolist()
+
+
+def greedy_with_logits(llm, prompt, steps):
+    """Greedy tokens and each step's logits [V] (float32) for one prompt."""
+    seen = []
+    compute_logits = llm.engine.runner.model.compute_logits
+
+    def record(hidden):
+        logits = compute_logits(hidden)
+        seen.append(logits[0].clone())
+        return logits
+
+    llm.engine.runner.model.compute_logits = record
+    try:
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    finally:
+        del llm.engine.runner.model.compute_logits
+    return out.token_ids, torch.stack(seen)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_bfloat16_backends_agree_with_torch_backend(qwen3_dir, backend):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 37, 300, 1000)]
+    common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048, gpu_memory_utilization=0.3)
+    reference = LLM(str(qwen3_dir), attention_backend="torch", enforce_eager=True, **common)
+    expected = [greedy_with_logits(reference, p, 32) for p in prompts]
+    del reference
+    torch.cuda.empty_cache()
+    try:
+        llm = LLM(str(qwen3_dir), attention_backend=backend, **common)
+    except ValueError as exc:  # flash_attn not installed, or not for this GPU
+        pytest.skip(str(exc))
+    assert llm.engine.runner.graphs is not None
+    for prompt, (ref_ids, ref_logits) in zip(prompts, expected):
+        ids, logits = greedy_with_logits(llm, prompt, 32)
+        assert ids == ref_ids
+        cos = torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1)
+        assert cos.min().item() > 0.999, cos
 
 
 def test_cuda_kv_pool_sized_from_gpu_memory_utilization(qwen3_dir):

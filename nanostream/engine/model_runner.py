@@ -15,14 +15,17 @@ from typing import Any
 import torch
 
 from nanostream.config import EngineConfig
+from nanostream.engine.cuda_graphs import DecodeGraphs
 from nanostream.engine.sampler import SamplingBatch, sample
 from nanostream.engine.scheduler import ScheduledChunk
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import ModelLoadError
 from nanostream.layers.attention import AttentionMetadata, KVCache, get_backend
+from nanostream.layers.norm import RMSNorm
+from nanostream.layers.rotary import RotaryEmbedding
 from nanostream.models import build_model
 from nanostream.models.loader import load_weights
-from nanostream.models.qwen import ForwardContext
+from nanostream.models.qwen import ForwardContext, SiluAndMul
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,10 +61,30 @@ class ModelRunner:
         self.model.eval()
         self.spec = self.model.spec
         self.vocab_size = self.spec.vocab_size
-        self.backend = get_backend(config.attention_backend, self.device)
-        log.info("attention backend: %s", self.backend.name)
+        cuda = self.device.type == "cuda"
+        if cuda and config.torch_compile:
+            # Elementwise chains (norms, rotary, SiLU-and-mul) fuse into one kernel each.
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
+                    module.compile(dynamic=True)
+        self.backend = get_backend(
+            config.attention_backend,
+            self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            head_dim=self.spec.head_dim,
+        )
+        self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
+        if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self._forward,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
 
     # ---- KV pool -------------------------------------------------------------------------------
 
@@ -131,7 +154,13 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
+        if self.device.type != "cuda":
+            return torch.tensor(data, dtype=dtype, device=self.device)
+        # Through pinned memory, so the copy is asynchronous: the step's only sync is reading the samples.
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -169,12 +198,16 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
         """Compute the chunks; sample the next token of each sequence whose chunk reached its end."""
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self._forward(input_ids, positions, meta)
         seqs = [c.seq for c in chunks if c.samples]
         if not seqs:
             return {}
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])  # [B, V] float32
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[self._tensor(sample_rows, torch.int64)]
+        logits = self.model.compute_logits(hidden)  # [B, V] float32
         batch = self.sampling_batch(seqs)
         out = sample(logits, batch)
         token_ids = out.token_ids.tolist()

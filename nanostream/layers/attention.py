@@ -5,17 +5,22 @@ A step's tokens are packed: sequence ``i`` contributes the query tokens
 context; the earlier context lives in the KV pool at the blocks of ``block_tables[i]``. Prefill,
 chunked prefill, prefix-cache hits and decode are all this one shape (decode: one query token).
 
-A backend stores the new K/V at ``slot_mapping`` and attends causally over each sequence's context.
-Backends are chosen by name (``get_backend``); GPU kernels slot in as further implementations.
+A backend stores the new K/V at ``slot_mapping`` (-1: a padding token, stored nowhere) and attends
+causally over each sequence's context. Backends: ``torch`` (reference, any device), ``triton``
+(nanostream's kernels, layers/triton_attention.py) and ``flash_attn`` (FlashAttention-4 or -2,
+layers/flash_attention.py). ``get_backend`` picks one.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +55,9 @@ class KVCache:
 
 class AttentionBackend(ABC):
     name: str
+    supports_cuda_graphs: bool = False
+    """Decode runs without host synchronisation, reads only tensors (``max_seqlen_k`` is an upper bound)
+    and skips slot -1, so it can be captured in a CUDA graph and replayed on padded batches."""
 
     @abstractmethod
     def forward(
@@ -106,14 +114,33 @@ class TorchAttention(AttentionBackend):
         return out[:, :, 0, :]
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+def get_backend(
+    name: str, device: torch.device, *, dtype: torch.dtype, block_size: int, head_dim: int
+) -> AttentionBackend:
+    """The backend called ``name``. ``auto``: on CUDA, FlashAttention when it is installed and supports
+    this GPU and layout, else the Triton kernels, else torch; elsewhere torch."""
+    from nanostream.layers.flash_attention import FlashAttention, flash_attn_unavailable_reason
+    from nanostream.layers.triton_attention import TritonAttention, triton_unavailable_reason
 
-
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name``; ``auto`` picks the fastest one available for ``device``."""
+    reasons = {
+        "torch": lambda: None,
+        "triton": lambda: triton_unavailable_reason(device),
+        "flash_attn": lambda: flash_attn_unavailable_reason(device, dtype, block_size, head_dim),
+    }
+    classes = {"torch": TorchAttention, "triton": TritonAttention, "flash_attn": FlashAttention}
     if name == "auto":
-        name = "torch"
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(_BACKENDS)}") from None
+        skipped = []
+        for candidate in ("flash_attn", "triton") if device.type == "cuda" else ():
+            reason = reasons[candidate]()
+            if reason is None:
+                log.info("attention backend: %s (auto)%s", candidate, "".join(f"; {s}" for s in skipped))
+                return classes[candidate]()
+            skipped.append(f"not {candidate}: {reason}")
+        log.info("attention backend: torch (auto)%s", "".join(f"; {s}" for s in skipped))
+        return TorchAttention()
+    if name not in classes:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(classes)}")
+    reason = reasons[name]()
+    if reason is not None:
+        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; use attention_backend='auto'")
+    return classes[name]()

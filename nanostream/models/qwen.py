@@ -77,16 +77,24 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused [T, 2 * I] projection (a module so the runner can compile it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         size = spec.intermediate_size
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, bias=False)
+        self.act = SiluAndMul()
         self.down_proj = nn.Linear(size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

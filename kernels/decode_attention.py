@@ -1,0 +1,161 @@
+"""Paged decode attention (one query token per sequence), split over the KV length (flash-decoding).
+
+A program handles one (sequence, KV head, split): the G = Hq / Hkv query heads that share the KV head
+are one [G, D] tile, so each K/V element is read from memory once per step, not once per query head.
+With more than one split, each writes a partial output and its log-sum-exp and a second kernel merges
+them. The split count depends only on the batch size and an upper bound of the context length, so a
+CUDA graph captured at one batch size replays correctly for any context up to that bound.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanostream.kernels.attention_tile import fold_kv_tile
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * G + g
+    g_mask = g < G
+    d_mask = d < D
+    q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :])  # [BLOCK_G, BLOCK_D]
+    kv_offs = kv_head * D + d[None, :]
+    table_row = table_ptr + b * stride_tb
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (end - 1)  # the query is the context's last token
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (base-2 logits)
+    denom = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles need no mask
+    for n0 in range(start, full_end, BLOCK_N):
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+            n0, end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+            n0, end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+        )  # fmt: skip
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    empty = denom == 0.0  # a split past the end of a short sequence
+    o = acc / tl.where(empty, 1.0, denom)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o, mask=out_mask)
+    else:
+        # partials: [B, Hq, NUM_SPLITS, D] float32; lse: [B, Hq, NUM_SPLITS] (base 2)
+        row = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_ptr + row[:, None] * D + d[None, :], o, mask=out_mask)
+        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, denom)))
+        tl.store(lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    # One program per (sequence, query head): weight each split's output by its share of the mass.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * num_heads + h
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # the first split is never empty, so the max is finite
+    mask = (s < NUM_SPLITS)[:, None] & (d < D)[None, :]
+    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=mask, other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o, mask=d < D)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # the interpreter on CPU: any value works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the GPU about twice, never a split under 64 tokens."""
+    want = -(-2 * _num_sms(device) // (batch_size * num_kv_heads))
+    return max(1, min(want, -(-max_seq_len // 64), 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous); block_tables:
+    [B, W] int32; seq_lens: [B] int32, each in [1, max_seq_len] and covered by its block table row.
+    ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
+    Returns [B, Hq, D] in q's dtype (written into ``out`` when given).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    assert q.stride(2) == 1 and k_cache.dtype == q.dtype, (q.stride(), q.dtype, k_cache.dtype)
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    splits = num_decode_splits(batch, num_kv_heads, max_seq_len, q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if splits > 1:
+        part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
+        BLOCK_N=64, PAGE=page, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1), num_heads,
+            D=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
+    return out

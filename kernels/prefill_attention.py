@@ -1,0 +1,125 @@
+"""Prefill attention over the paged KV pool: packed variable-length queries, causal.
+
+Sequence i brings q_len new query tokens, the last of its seq_len tokens of context; the whole context
+(a cached prefix from the prefix cache or from earlier chunks, plus the new tokens, already stored)
+is read from the pool through the block table, tile by tile, never gathered into a contiguous copy.
+A program computes BLOCK_M queries of one head (FlashAttention-2's online softmax). Key tiles entirely
+before the first query need no mask; only the tiles that reach the diagonal are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanostream.kernels.attention_tile import fold_kv_tile
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    m_tile = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len  # context tokens before the first query
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
+    m_mask = rows < q_len
+    q_pos = prefix + rows  # each query's position in the context
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+    kv_offs = (head // G) * D + d[None, :]
+    table_row = table_ptr + b * stride_tb
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys before this tile's first query are visible to all its queries: whole tiles of them need no
+    # mask. The tiles from there to the last query's position are masked (causal, and the context end).
+    first_q = prefix + m_tile * BLOCK_M
+    full_end = first_q // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(first_q + BLOCK_M, seq_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+            n0, kv_end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+        )  # fmt: skip
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+            n0, kv_end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+        )  # fmt: skip
+
+    # Rows past q_len saw only masked keys (denom = 0) and are not stored.
+    o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        o,
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their paged contexts.
+
+    q: [T, Hq, D] packed, sequence i's queries at rows cu_seqlens_q[i]:cu_seqlens_q[i+1] ([B+1] int32);
+    they are the last queries of its seq_lens[i] ([B] int32) context tokens, all already in the pool.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] int32.
+    ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    assert q.stride(2) == 1 and k_cache.dtype == q.dtype, (q.stride(), q.dtype, k_cache.dtype)
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (batch + 1,), cu_seqlens_q.shape
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
+    if num_tokens == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fp32 = q.dtype == torch.float32
+    # bf16/fp16 at head dim <= 128: 128 x 64 tiles, 8 warps; float32 (tests, parity runs) halves them.
+    block_m, block_n = (64, 32) if fp32 or block_d > 128 else (128, 64)
+    block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
+        G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGE=page, IEEE=fp32,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,51 @@
+"""KV store: write each new token's K and V into its slot of the paged pool."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_vt, stride_cs,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program per token: its K and V rows (Hkv * D contiguous elements each) go to slot `slot`.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:  # padding (a CUDA-graph batch filled up to its bucket)
+        return
+    for start in tl.static_range(0, ROW, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(k_ptr + t * stride_kt + offs, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + offs, mask=mask)
+        tl.store(k_cache_ptr + slot * stride_cs + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * stride_cs + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``/``v`` [T, Hkv, D] at ``slot_mapping`` [T] (int64, -1 = skip) of the caches.
+
+    The caches are [num_blocks, block_size, Hkv, D], contiguous; slot = block * block_size + offset.
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), (k.shape, v.shape, slot_mapping.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim), (k_cache.shape, k.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    # Each token's [Hkv, D] row must be contiguous (a slice of a fused qkv output is, with a row stride).
+    assert k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1), (k.stride(), v.stride())
+    assert slot_mapping.dtype == torch.int64, slot_mapping.dtype
+    if num_tokens == 0:
+        return
+    row = num_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), v.stride(0), row,
+        ROW=row, BLOCK=min(triton.next_power_of_2(row), 1024),
+    )  # fmt: skip

@@ -1,0 +1,177 @@
+"""The Triton kernels against a float64 torch reference on fresh random inputs.
+
+On CPU they run under Triton's interpreter (small shapes, float32); on a GPU the same tests run the
+compiled kernels, plus gpu-marked ones at realistic sizes in bfloat16 and float32. Outputs are
+poisoned with NaN first, so an element the kernel never wrote fails.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanostream.kernels.decode_attention import paged_decode_attention
+from nanostream.kernels.prefill_attention import paged_prefill_attention
+from nanostream.kernels.store_kv import store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out, ref):
+    assert not out.isnan().any(), "an output element was never written (or is NaN)"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, gen):
+    """A pool holding each sequence's context at randomly permuted blocks, and their block tables."""
+    blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks) + 3  # spare blocks that no table uses
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(context_lens), max(blocks) + 2, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    return k, v, tables.to(DEVICE)
+
+
+def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale):
+    """float64 causal attention of each sequence's last queries over its context; [T, Hq, D]."""
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    bs = k_cache.shape[1]
+    for i, n in enumerate(seq_lens.tolist()):
+        s, e = cu_q[i], cu_q[i + 1]
+        rows = tables[i, : -(-n // bs)].long()
+        k = k_cache[rows].flatten(0, 1)[:n].double().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache[rows].flatten(0, 1)[:n].double().transpose(0, 1)
+        q_pos = torch.arange(n - (e - s), n, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[s:e].double().transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=None):
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    k, v, tables = paged_pool(seq_lens, block_size, hkv, head_dim, dtype, gen)
+    q = torch.randn(len(seq_lens), hq, head_dim, generator=gen).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_decode_attention(q, k, v, tables, lens, scale, max_seq_len or max(seq_lens), out=out)
+    return rel_err(out, reference(q, k, v, tables, list(range(len(seq_lens) + 1)), lens, scale))
+
+
+def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    seq_lens = [a + b for a, b in zip(q_lens, prefix_lens)]
+    k, v, tables = paged_pool(seq_lens, block_size, hkv, head_dim, dtype, gen)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], hq, head_dim, generator=gen).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out)
+    return rel_err(out, reference(q, k, v, tables, cu, lens, scale))
+
+
+# ---- small shapes: the interpreter on CPU, compiled kernels on a GPU ------------------------------
+
+
+@pytest.mark.parametrize(
+    "seq_lens, heads, head_dim, block_size, max_seq_len",
+    [
+        ([1, 37, 200], (4, 2), 16, 16, None),  # several splits per sequence
+        ([70, 5], (8, 1), 32, 5, None),  # block size not a power of two, GQA 8
+        ([3, 30, 1, 9], (6, 6), 16, 1, None),  # one token per block, no grouping
+        ([600], (4, 2), 64, 256, 4096),  # a loose upper bound, as under CUDA graphs
+    ],
+)
+def test_decode_attention_matches_reference(seq_lens, heads, head_dim, block_size, max_seq_len):
+    assert run_decode(seq_lens, heads, head_dim, block_size, torch.float32, 0, max_seq_len) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "q_lens, prefix_lens, heads, head_dim, block_size",
+    [
+        ([5, 70, 1], [0, 30, 100], (4, 2), 16, 16),  # fresh, chunked/prefix-hit, and a decode row
+        ([33, 2], [7, 0], (8, 1), 32, 5),
+        ([20], [3], (2, 2), 16, 1),
+        ([130], [300], (4, 2), 64, 256),  # several query tiles after a long cached prefix
+    ],
+)
+def test_prefill_attention_matches_reference(q_lens, prefix_lens, heads, head_dim, block_size):
+    assert run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, torch.float32, 1) < 1e-5
+
+
+def test_store_kv_writes_each_slot_and_skips_padding():
+    gen = torch.Generator().manual_seed(2)
+    tokens, hkv, d, blocks, bs = 9, 2, 16, 6, 4
+    qkv = torch.randn(tokens, (4 + 2 * hkv) * d, generator=gen).to(DEVICE)  # k, v are strided views
+    k, v = qkv[:, 4 * d : (4 + hkv) * d].view(tokens, hkv, d), qkv[:, (4 + hkv) * d :].view(tokens, hkv, d)
+    k_cache = torch.full((blocks, bs, hkv, d), float("nan"), device=DEVICE)
+    v_cache = k_cache.clone()
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    slots[3] = -1
+    store_kv(k, v, k_cache, v_cache, slots.to(DEVICE))
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat_k[s], k[t]) and torch.equal(flat_v[s], v[t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(blocks * bs) if s not in written]
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+def test_launchers_reject_bad_layouts():
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    cache = torch.randn(4, 16, 2, 16, device=DEVICE)
+    tables = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError):  # int64 block tables
+        paged_decode_attention(q, cache, cache, tables.long(), lens, 0.25, 16)
+    with pytest.raises(AssertionError):  # 3 query heads over 2 KV heads
+        paged_decode_attention(q[:, :3], cache, cache, tables, lens, 0.25, 16)
+    with pytest.raises(AssertionError):  # a non-contiguous cache
+        paged_decode_attention(q, cache.transpose(0, 1), cache.transpose(0, 1), tables, lens, 0.25, 16)
+    with pytest.raises(AssertionError):  # cu_seqlens of the wrong length
+        paged_prefill_attention(q, cache, cache, lens, lens, tables, 1, 0.25)
+
+
+# ---- realistic sizes on a GPU ---------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+BF16_BOUND = 1e-2  # bf16 operands land between 1e-3 and 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (14, 2)])
+def test_decode_attention_gpu(dtype, bound, block_size, heads):
+    gen = torch.Generator().manual_seed(block_size + heads[0])
+    for batch in (1, 8, 64, 256):
+        lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+        assert run_decode(lens, heads, 128, block_size, dtype, batch) < bound
+    assert run_decode([1, 5000, 7], heads, 128, block_size, dtype, 3, max_seq_len=32768) < bound
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4)])
+def test_prefill_attention_gpu(dtype, bound, block_size, heads):
+    gen = torch.Generator().manual_seed(block_size)
+    for batch in (1, 4, 16):
+        q_lens = torch.randint(1, 2048, (batch,), generator=gen).tolist()
+        prefixes = [0 if i % 3 == 0 else int(x) for i, x in enumerate(torch.randint(0, 3000, (batch,), generator=gen))]
+        assert run_prefill(q_lens, prefixes, heads, 128, block_size, dtype, batch) < bound
