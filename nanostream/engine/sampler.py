@@ -37,8 +37,38 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     row = _mix32(row ^ _mix32(steps & _M32))  # [B]
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _mix32(row[:, None] ^ _mix32(cols + 0x632BE5AB)[None, :])  # [B, V] in [0, 2**32)
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), never 0 or 1
-    return -torch.log(uniform)
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1]
+    # float32 rounds (2**24 - 1) + 0.5 up to 2**24: clamp that u = 1, whose E = -0.0 would make a masked
+    # token's score 0 / -0.0 = NaN, which argmax picks.
+    return -torch.log(uniform.clamp_max(1.0 - 2.0**-24))
+
+
+def exponential_race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    use_kernel: bool | None = None,
+) -> torch.Tensor:
+    """Token ids [B] int64: argmax(logits) where temperature is 0, else a draw from softmax(logits / T).
+
+    logits: [B, V] float32, -inf = masked; temperature [B] float32; seeds, steps [B] int64. The draw is
+    argmax(p / E) with E = exponential_noise(seeds, steps, V): an exponential race (the Gumbel-max trick).
+    ``use_kernel`` (default: on CUDA) runs the fused Triton kernel, which never materialises the [B, V]
+    noise and picks the same tokens; the torch path serves the CPU (tests force the kernel there too).
+
+    >>> exponential_race(torch.tensor([[0.0, 5.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.int64),
+    ...                  torch.zeros(1, dtype=torch.int64)).tolist()
+    [1]
+    """
+    if use_kernel if use_kernel is not None else logits.is_cuda:
+        from nanostream.kernels.sampling import race_sample  # imports triton: only where a kernel runs
+
+        return race_sample(logits, temperature, seeds, steps)
+    temp = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    probs = (logits / temp).softmax(-1)
+    sampled = (probs / exponential_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+    return torch.where(temperature > 0, sampled, logits.argmax(-1))
 
 
 @dataclass
@@ -102,23 +132,27 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Ten
     return logits
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits: [B, V] float32 from the model. Returns the sampled ids and the asked-for logprobs."""
+def sample(logits: torch.Tensor, b: SamplingBatch, *, use_kernel: bool | None = None) -> SamplerOutput:
+    """logits: [B, V] float32 from the model. Returns the sampled ids and the asked-for logprobs.
+
+    ``use_kernel``: the fused sampling kernel for the exponential race (default: on CUDA).
+    """
     raw = logits
     if b.banned is not None:
         logits = logits.masked_fill(b.banned, float("-inf"))
     logits = apply_penalties(logits, b)
-    greedy_ids = logits.argmax(-1)
     if b.all_greedy:
-        token_ids = greedy_ids
-    else:
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (the Gumbel-max trick).
+        token_ids = logits.argmax(-1)
+    elif b.needs_top_k_p or b.needs_min_p:
+        # The masks act on temperature-scaled logits, so the race runs on those at T = 1; greedy rows take
+        # the argmax of the unmasked logits (a top-k cut among equal maxima need not keep the lowest id).
         temp = torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
         scaled = apply_top_k_top_p_min_p(logits / temp, b)
-        probs = scaled.softmax(-1)
-        noise = exponential_noise(b.seeds, b.steps, logits.shape[-1])
-        sampled = (probs / noise).argmax(-1)
-        token_ids = torch.where(b.temperature > 0, sampled, greedy_ids)
+        ones = torch.ones_like(b.temperature)
+        sampled = exponential_race(scaled, ones, b.seeds, b.steps, use_kernel)
+        token_ids = torch.where(b.temperature > 0, sampled, logits.argmax(-1))
+    else:
+        token_ids = exponential_race(logits, b.temperature, b.seeds, b.steps, use_kernel)
     if b.max_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = raw.log_softmax(-1)
