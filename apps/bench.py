@@ -200,7 +200,12 @@ def run_nanostream(
         print(f"warning: nanostream returned fewer tokens than max_tokens for {short} request(s)")
     # Count what was asked for and delivered, never more.
     counted = sum(min(g, r.max_tokens) for g, r in zip(got, workload))
-    return Result("nanostream", len(workload), sum(map(len, prompts)), counted, elapsed)
+    name = "nanostream" if "attention_backend" not in engine_kwargs else f"nanostream[{llm.engine.runner.backend.name}]"
+    del llm  # free the engine (weights, KV pool, graphs) before the next one starts
+    gc.collect()
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return Result(name, len(workload), sum(map(len, prompts)), counted, elapsed)
 
 
 def run_hf(
@@ -256,9 +261,10 @@ def summary(results: list[Result]) -> str:
     rows = [("engine", "requests", "out tok", "time s", "out tok/s", "total tok/s")]
     rows += [(r.name, str(r.num_requests), str(r.output_tokens), f"{r.elapsed:.2f}", *r.rates()) for r in results]
     lines = format_table(rows)
-    if len(results) == 2:
-        ratio = results[0].output_tps / results[1].output_tps
-        lines.append(f"nanostream / {results[1].name} output tok/s: {ratio:.2f}x")
+    baseline = results[-1]
+    if len(results) >= 2 and not baseline.name.startswith("nanostream"):
+        for r in results[:-1]:
+            lines.append(f"{r.name} / {baseline.name} output tok/s: {r.output_tps / baseline.output_tps:.2f}x")
     return "\n".join(lines)
 
 
@@ -343,6 +349,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hf_group = parser.add_argument_group("Hugging Face baseline")
     hf_group.add_argument("--hf", action="store_true", help="also time transformers' generate on the same workload")
     hf_group.add_argument("--hf-batch-size", type=int, default=16, help="requests per static HF batch")
+    parser.add_argument(
+        "--backends",
+        help="comma-separated attention backends to time one after another (overrides --attention-backend)",
+    )
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
@@ -366,8 +376,15 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()  # free the HF model before the engine sizes its KV cache
             if cfg.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-        results.append(run_nanostream(model, workload, warmup, engine_kwargs, args.seed))
-        print(results[0].line())
+        backends = args.backends.split(",") if args.backends else [None]
+        for backend in backends:
+            kwargs = engine_kwargs if backend is None else {**engine_kwargs, "attention_backend": backend}
+            try:
+                results.append(run_nanostream(model, workload, warmup, kwargs, args.seed))
+            except ValueError as exc:  # a backend that cannot run here
+                print(f"nanostream[{backend}]: skipped: {exc}")
+                continue
+            print(results[-1].line())
         if hf_result:
             results.append(hf_result)
     print(summary(results))
