@@ -14,6 +14,16 @@ from typing import Any
 _CONTEXT_TOKENS = 5
 
 
+def decode_output(
+    tokenizer: Any, prompt_token_ids: list[int], output_token_ids: list[int], *, skip_special_tokens: bool = True
+) -> str:
+    """A finished output's text in one pass: all that an ``IncrementalDetokenizer`` without stop strings
+    releases, at the cost of two decodes instead of two per token (the offline API's fast path)."""
+    context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+    prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)[len(prefix) :]
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,

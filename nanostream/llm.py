@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanostream.config import EngineConfig
-from nanostream.detokenizer import IncrementalDetokenizer
+from nanostream.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.errors import InvalidRequestError
 from nanostream.outputs import RequestOutput
@@ -110,12 +110,17 @@ class LLM:
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
+        # Text is needed while a request runs only to find its stop strings; the others are decoded once
+        # at the end (two tokenizer calls per token would cost more host time than a GPU decode step).
         detoks: dict[str, IncrementalDetokenizer] = {}
+        params: dict[str, SamplingParams] = {}
         for rid, text, ids, p in requests:
             outputs[rid] = RequestOutput(rid, text, ids, logprobs=[] if p.logprobs is not None else None)
-            detoks[rid] = IncrementalDetokenizer(
-                self.tokenizer, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens, min_tokens=p.min_tokens
-            )
+            params[rid] = p
+            if p.stop:
+                detoks[rid] = IncrementalDetokenizer(
+                    self.tokenizer, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens, min_tokens=p.min_tokens
+                )
         pending = set(outputs)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
@@ -126,21 +131,31 @@ class LLM:
                 prefill_tokens += result.num_prefill_tokens
                 decode_tokens += result.num_decode_tokens
                 for delta in result.deltas:
-                    out, detok = outputs[delta.request_id], detoks[delta.request_id]
+                    out, detok = outputs[delta.request_id], detoks.get(delta.request_id)
                     out.token_ids += delta.new_token_ids
                     out.num_cached_tokens = delta.num_cached_tokens
                     if out.logprobs is not None:
                         out.logprobs += delta.new_logprobs
-                    out.text += detok.add(delta.new_token_ids)
                     reason = delta.finish_reason
-                    if reason is None and detok.stopped_by is not None:
-                        self.engine.abort(delta.request_id, "stop")
-                        reason = "stop"
+                    if detok is not None:
+                        out.text += detok.add(delta.new_token_ids)
+                        if reason is None and detok.stopped_by is not None:
+                            self.engine.abort(delta.request_id, "stop")
+                            reason = "stop"
                     if reason is None:
                         continue
-                    out.text += detok.finish()
+                    if detok is not None:
+                        out.text += detok.finish()
+                    else:
+                        p = params[delta.request_id]
+                        out.text = decode_output(
+                            self.tokenizer,
+                            out.prompt_token_ids,
+                            out.token_ids,
+                            skip_special_tokens=p.skip_special_tokens,
+                        )
                     out.finish_reason = reason
-                    if detok.stopped_by is not None:
+                    if detok is not None and detok.stopped_by is not None:
                         out.stop_reason = detok.stopped_by
                     elif reason == "stop":
                         out.stop_reason = out.token_ids[-1]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanostream.detokenizer import IncrementalDetokenizer
+from nanostream.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.tiny_model import build_tokenizer
 
 TEXT = "The river ran 世界 past 🚀🎉 the mill, naïve café — END of the tale 👋🏽 done"
@@ -77,3 +77,18 @@ def test_special_tokens_skipped(tok):
     assert detok.add(ids) + detok.finish() == "hello"
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
     assert detok.add(ids) + detok.finish() == "hello<|im_end|>"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_pass_decode_equals_the_incremental_text(tok, seed):
+    # The offline API decodes outputs without stop strings once, at the end: same text as streaming,
+    # also for arbitrary ids (cut multibyte characters, special tokens) after any prompt.
+    import random
+
+    rng = random.Random(seed)
+    prompt = rng.choice([tok("Once upon").input_ids, tok(TEXT).input_ids[:7], [rng.randrange(len(tok))]])
+    ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 60))]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        text = "".join(detok.add([i]) for i in ids) + detok.finish()
+        assert decode_output(tok, prompt, ids, skip_special_tokens=skip) == text
