@@ -166,3 +166,20 @@ def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.num_cached_tokens >= 24 for o in outputs[1:])
     assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, params.max_tokens)
+
+
+def test_repetition_penalty_matches_hf_while_other_requests_decode(qwen3_dir, hf_model_cache):
+    # A penalty reads the request's own output tokens, so the engine resolves the step in flight
+    # before scheduling; a stale (pending) token in the counts would change the greedy choice.
+    prompts = random_prompts([12, 30, 7], seed=12)
+    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16)
+    outputs = llm.generate(prompts, [penalized, GREEDY, GREEDY], use_tqdm=False)
+    hf = hf_model_cache(qwen3_dir)
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=24, min_new_tokens=24, do_sample=False, repetition_penalty=1.5
+        )
+    assert outputs[0].token_ids == ref[0, len(prompts[0]) :].tolist()
+    assert outputs[0].token_ids != hf_greedy(hf, prompts[0], 24)  # the penalty changed the output
+    assert_matches_hf(hf, prompts[1:], outputs[1:], GREEDY.max_tokens)

@@ -61,8 +61,9 @@ def test_stop_token_ids_and_min_tokens(llm):
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id]), use_tqdm=False
     )[0]
-    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.token_ids == full.token_ids[: first + 1]  # the step already in flight adds nothing
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     # Under min_tokens the stop token may not be sampled at all.
     late = llm.generate(
         [prompt],

@@ -14,7 +14,7 @@ import pytest
 
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
-from nanostream.engine.sequence import Sequence, SequenceStatus
+from nanostream.engine.sequence import PENDING, Sequence, SequenceStatus
 from nanostream.sampling_params import SamplingParams
 
 BS = 4  # tokens per block in these tests
@@ -77,11 +77,17 @@ class FakeModel:
         self.block_size = block_size
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the tokens 0..p its K/V was computed from
 
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+    def execute(self, chunks: list[ScheduledChunk], in_flight: dict[str, int] | None = None) -> dict[str, int]:
+        """Compute the chunks; a PENDING token takes its value from ``in_flight`` (the previous step's
+        samples, as the runner reads them on the device)."""
+
+        def tokens(seq: Sequence) -> list[int]:
+            return [in_flight[seq.request_id] if t == PENDING else t for t in seq.token_ids]
+
         for chunk in chunks:  # write this step's K/V first, as a forward pass does
-            seq = chunk.seq
+            seq, known = chunk.seq, tokens(chunk.seq)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens):
-                self.kv[slot(seq, pos, self.block_size)] = tuple(seq.token_ids[: pos + 1])
+                self.kv[slot(seq, pos, self.block_size)] = tuple(known[: pos + 1])
         sampled = {}
         for chunk in chunks:
             if chunk.samples:
@@ -107,6 +113,24 @@ def check_pool(sched: Scheduler) -> None:
 
 def step(sched: Scheduler, model: FakeModel) -> tuple[list[ScheduledChunk], list[Sequence]]:
     """One engine step, checking the limits every step must respect."""
+    chunks = checked_schedule(sched)
+    finished = sched.update(chunks, model.execute(chunks))
+    check_pool(sched)
+    return chunks, finished
+
+
+def pipelined_step(sched: Scheduler, model: FakeModel, in_flight: tuple | None) -> tuple | None:
+    """One step as the engine runs it: launch this one, then resolve the one in flight."""
+    chunks = checked_schedule(sched)
+    sampled = model.execute(chunks, in_flight[1] if in_flight else None)
+    sched.launched(chunks)
+    if in_flight is not None:
+        sched.resolve(*in_flight)
+    check_pool(sched)
+    return (chunks, sampled) if chunks else None
+
+
+def checked_schedule(sched: Scheduler) -> list[ScheduledChunk]:
     chunks = sched.schedule()
     assert sum(c.num_new_tokens for c in chunks) <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
@@ -122,9 +146,7 @@ def step(sched: Scheduler, model: FakeModel) -> tuple[list[ScheduledChunk], list
         for i in range(seq.num_computed_tokens // bm.block_size, bm.blocks_needed(end)):
             assert bm.blocks[seq.block_table[i]].ref_count == 1
     check_pool(sched)
-    finished = sched.update(chunks, model.execute(chunks))
-    check_pool(sched)
-    return chunks, finished
+    return chunks
 
 
 def run(sched: Scheduler, model: FakeModel, max_steps: int = 2000) -> list[list[ScheduledChunk]]:
@@ -492,7 +514,7 @@ def test_each_request_stops_on_its_own_reason_in_a_shared_batch():
     assert c.output_token_ids == [STOP, STOP, 9]
 
 
-def _random_workload(seed: int) -> tuple[int, int]:
+def _random_workload(seed: int, pipelined: bool = False) -> tuple[int, int]:
     rng = random.Random(seed)
     block_size, num_blocks, max_num_seqs = rng.choice([1, 2, 3, 4, 8]), rng.randint(3, 40), rng.randint(1, 6)
     max_model_len = rng.randint(8, 80)
@@ -517,27 +539,33 @@ def _random_workload(seed: int) -> tuple[int, int]:
         min_tokens = rng.randint(0, max_tokens) if rng.random() < 0.3 else 0
         stop = frozenset(rng.sample(range(1000, 1997), 40)) if rng.random() < 0.5 else frozenset()
         arrivals.append((rng.randint(0, 10), make_seq(f"r{i}", prompt, max_tokens, min_tokens, stop)))
-    pending, aborted, t = sorted(arrivals, key=lambda a: a[0]), set(), 0
+    pending, aborted, t, in_flight = sorted(arrivals, key=lambda a: a[0]), set(), 0, None
     while pending or len(sched):
         while pending and pending[0][0] <= t:
             sched.add(pending.pop(0)[1])
         if len(sched) and rng.random() < 0.05:
             aborted.add(sched.finish(rng.choice(list(sched.requests)), "abort").request_id)
-        step(sched, model)
+        if pipelined:
+            in_flight = pipelined_step(sched, model, in_flight)
+        else:
+            step(sched, model)
         t += 1
         assert t < 2000, f"seed {seed}: no progress"
     for _, seq in arrivals:
         outputs, reason = reference_run(seq, max_model_len)
-        if seq.request_id in aborted:
-            assert (seq.output_token_ids, seq.finish_reason) == (outputs[: seq.num_output_tokens], "abort"), seed
+        if seq.request_id in aborted:  # aborted while a step was in flight: that token never arrives
+            got = [t for t in seq.output_token_ids if t != PENDING]
+            assert (got, seq.finish_reason) == (outputs[: len(got)], "abort"), seed
         else:
             assert (seq.output_token_ids, seq.finish_reason) == (outputs, reason), seed
     assert sched.block_manager.num_free_blocks == num_blocks, seed
     return sched.num_preemptions, len(aborted)
 
 
-def test_random_workloads_with_aborts_finish_token_exact_and_free_every_block():
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_random_workloads_with_aborts_finish_token_exact_and_free_every_block(pipelined):
     # Arrivals over time, shared prefixes, stop tokens, min_tokens, aborts in any state and tiny pools
-    # (so preemption); step() checks the limits every step.
-    preemptions, aborts = zip(*(_random_workload(seed) for seed in range(300)))
+    # (so preemption); step() checks the limits every step. Pipelined: each step is launched before the
+    # previous one's samples are read (PENDING tokens), as the engine runs.
+    preemptions, aborts = zip(*(_random_workload(seed, pipelined) for seed in range(300)))
     assert sum(p > 0 for p in preemptions) > 20 and sum(aborts) > 20  # both paths were exercised

@@ -1,7 +1,9 @@
 """The engine core: admission, one ``step()`` of scheduling + model + bookkeeping, abort.
 
 Token ids in, token ids out; no tokenizer, no I/O. The offline ``LLM`` and the engine process both
-drive it by calling ``step()`` in a loop.
+drive it by calling ``step()`` in a loop. A step is launched on the device before the previous one's
+samples are read back, so the host's scheduling and bookkeeping overlap the GPU's work; ``step()``
+returns the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from transformers import AutoConfig
 
 from nanostream.config import EngineConfig
 from nanostream.engine.block_manager import BlockManager
-from nanostream.engine.model_runner import ModelRunner
-from nanostream.engine.scheduler import Scheduler
+from nanostream.engine.model_runner import InFlight, ModelRunner
+from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import InvalidRequestError, ModelLoadError
 from nanostream.models.loader import resolve_model_path
@@ -93,6 +95,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
         )
         self._rng = random.Random(config.seed)
+        self._in_flight: tuple[list[ScheduledChunk], InFlight] | None = None  # the launched, unread step
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.model_path,
@@ -161,22 +164,33 @@ class LLMEngine:
         return len(self.scheduler) > 0
 
     def step(self) -> StepResult:
+        """Launch one step and return what the previous one produced (read back while this one runs)."""
+        deltas: list[RequestDelta] = []
+        # 0. a request whose penalties read its own output needs every token's value before scheduling
+        if self._in_flight is not None and self.scheduler.needs_token_values():
+            deltas = self._finish_in_flight()
         # 1. pick this step's chunks (decodes first, then prefill chunks, then admissions)
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return StepResult([], 0, 0)
-        # 2. run the model and sample
-        sampled = self.runner.execute(chunks)
         num_decode = sum(1 for c in chunks if c.num_new_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
         num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
-        # 3. advance the sequences, append sampled tokens, finish the ones that stop
-        self.scheduler.update(chunks, {rid: s.token_id for rid, s in sampled.items()})
+        # 2. queue the model and the sampler on the device; inputs still in flight stay on the device
+        launched = None
+        if chunks:
+            launched = self.runner.launch(chunks, self._in_flight[1] if self._in_flight else None)
+            self.scheduler.launched(chunks)
+        # 3. read back the previous step's samples while this one runs; finish requests that stop
+        if self._in_flight is not None:
+            deltas += self._finish_in_flight()
+        self._in_flight = (chunks, launched) if chunks else None
+        return StepResult(deltas, num_prefill, num_decode)
+
+    def _finish_in_flight(self) -> list[RequestDelta]:
+        chunks, launched = self._in_flight
+        self._in_flight = None
+        sampled = self.runner.collect(launched)
         deltas = []
-        for chunk in chunks:
-            seq = chunk.seq
-            token = sampled.get(seq.request_id)
-            if token is None:
-                continue
+        for seq in self.scheduler.resolve(chunks, {rid: s.token_id for rid, s in sampled.items()}):
+            token = sampled[seq.request_id]
             if token.logprobs is not None:
                 seq.logprobs.append(token.logprobs)
             deltas.append(
@@ -189,4 +203,4 @@ class LLMEngine:
                     seq.num_cached_tokens,
                 )
             )
-        return StepResult(deltas, num_prefill, num_decode)
+        return deltas

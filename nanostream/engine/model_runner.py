@@ -16,9 +16,9 @@ import torch
 
 from nanostream.config import EngineConfig
 from nanostream.engine.cuda_graphs import DecodeGraphs
-from nanostream.engine.sampler import SamplingBatch, sample
+from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
 from nanostream.engine.scheduler import ScheduledChunk
-from nanostream.engine.sequence import Sequence
+from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.errors import ModelLoadError
 from nanostream.layers.attention import AttentionMetadata, KVCache, get_backend
 from nanostream.layers.norm import RMSNorm
@@ -37,6 +37,15 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None  # sampled token and the top-N, when the request asked
+
+
+@dataclass
+class InFlight:
+    """A launched step whose samples are still on the device."""
+
+    seqs: list[Sequence]  # the sequences that sample, in row order
+    rows: dict[str, int]  # request id -> row of ``out``
+    out: SamplerOutput | None  # None when no chunk samples
 
 
 @contextlib.contextmanager
@@ -162,8 +171,12 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(
+        self, chunks: list[ScheduledChunk], prev: InFlight | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
         bs = self.block_size
+        pending: list[tuple[int, int]] = []  # (row of input_ids, row of prev's samples)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -171,6 +184,10 @@ class ModelRunner:
         for chunk in chunks:
             seq, start = chunk.seq, chunk.start
             end = start + chunk.num_new_tokens
+            for i in range(max(start, end - 2), end):  # only a sequence's last two tokens can be pending
+                if seq.token_ids[i] == PENDING:
+                    assert prev is not None, f"{seq} has a pending token but no step is in flight"
+                    pending.append((len(input_ids) + i - start, prev.rows[seq.request_id]))
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             for b in range(start // bs, (end - 1) // bs + 1):  # slots, one block range at a time
@@ -192,25 +209,35 @@ class ModelRunner:
             cu_seqlens_q_host=cu_q,
             seq_lens_host=seq_lens,
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, sample_rows
+        ids = self._tensor([0 if t == PENDING else t for t in input_ids], torch.int64)
+        if pending:  # on the device, after the step in flight has sampled them: no host round trip
+            rows, prev_rows = zip(*pending)
+            ids[self._tensor(rows, torch.int64)] = prev.out.token_ids[self._tensor(prev_rows, torch.int64)]
+        return ids, self._tensor(positions, torch.int64), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
-        """Compute the chunks; sample the next token of each sequence whose chunk reached its end."""
-        input_ids, positions, meta, sample_rows = self.prepare(chunks)
+    def launch(self, chunks: list[ScheduledChunk], prev: InFlight | None = None) -> InFlight:
+        """Queue the step on the device (inputs, model, sampling) without waiting for it."""
+        input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self._forward(input_ids, positions, meta)
         seqs = [c.seq for c in chunks if c.samples]
         if not seqs:
-            return {}
+            return InFlight([], {}, None)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[self._tensor(sample_rows, torch.int64)]
         logits = self.model.compute_logits(hidden)  # [B, V] float32
-        batch = self.sampling_batch(seqs)
-        out = sample(logits, batch)
-        token_ids = out.token_ids.tolist()
+        out = sample(logits, self.sampling_batch(seqs))
+        return InFlight(seqs, {s.request_id: i for i, s in enumerate(seqs)}, out)
+
+    def collect(self, step: InFlight) -> dict[str, SampledToken]:
+        """Wait for a launched step; its sampled token (and logprobs) per sequence that sampled."""
+        seqs, out = step.seqs, step.out
+        if out is None:
+            return {}
+        token_ids = out.token_ids.tolist()  # the step's one host synchronisation
         if out.logprobs is None:
             return {seq.request_id: SampledToken(t, None) for seq, t in zip(seqs, token_ids)}
         lps = out.logprobs.tolist()
@@ -224,6 +251,10 @@ class ModelRunner:
                 logprobs[token_ids[i]] = lps[i]
             result[seq.request_id] = SampledToken(token_ids[i], logprobs)
         return result
+
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, SampledToken]:
+        """Compute the chunks and wait for their samples (no token of theirs may be pending)."""
+        return self.collect(self.launch(chunks))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]

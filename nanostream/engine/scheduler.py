@@ -10,6 +10,10 @@ requests:
    remaining budget allows (the rest follows in later steps). Admission stops at the first request
    whose blocks do not fit, so a large request is not starved by a stream of small ones.
 
+A step's sampled tokens are read back while the next step runs: ``launched`` advances the scheduled
+sequences and appends a ``PENDING`` token for each sample, ``resolve`` fills the values in later. So
+a request that samples a stop token may be scheduled once more; that extra token is dropped.
+
 When a running request needs a KV block and none is free, the most recently admitted running
 request that is not yet scheduled in this step is preempted: its blocks are freed and it goes back to
 the front of the queue, to be recomputed (mostly from the prefix cache) later. If no such request is
@@ -22,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanostream.engine.block_manager import BlockManager
-from nanostream.engine.sequence import Sequence, SequenceStatus
+from nanostream.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
 @dataclass
@@ -77,7 +81,7 @@ class Scheduler:
         scheduled: list[ScheduledChunk] = []
         # 1 + 2: decodes, then chunks of prefills in progress.
         queue = deque(
-            [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+            [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1 and not s.stopping]
             + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         )
         while queue and budget:
@@ -116,17 +120,42 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, scheduled: list[ScheduledChunk], sampled: dict[str, int]) -> list[Sequence]:
-        """Advance each scheduled sequence by its chunk, append sampled tokens; return finished ones."""
-        finished = []
+    def needs_token_values(self) -> bool:
+        """Some request's sampling reads its own output tokens (penalties): no token may be pending."""
+        return any(s.params.repetition_penalty != 1 or s.params.presence_penalty or s.params.frequency_penalty
+                   for s in self.requests.values())  # fmt: skip
+
+    def launched(self, scheduled: list[ScheduledChunk]) -> None:
+        """The step is on the device: advance each sequence by its chunk, a PENDING token per sample."""
         for chunk in scheduled:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if not chunk.samples:
+            if chunk.samples:
+                seq.append_token(PENDING)
+                seq.stopping = seq.reaches_length_limit(self.max_model_len)
+
+    def resolve(self, scheduled: list[ScheduledChunk], sampled: dict[str, int]) -> list[Sequence]:
+        """The launched step's samples arrived: fill them in, cache full blocks, finish requests that
+        stop. Returns the sequences that took a token (finished ones have their finish_reason)."""
+        took = []
+        for chunk in scheduled:
+            seq = chunk.seq
+            if seq.is_finished:  # aborted, or stopped by its previous token while this step ran
                 continue
-            seq.append_token(sampled[seq.request_id])
-            reason = seq.check_stop(self.max_model_len)
-            if reason is not None:
-                finished.append(self.finish(seq.request_id, reason))
-        return finished
+            if chunk.samples:
+                index = chunk.start + chunk.num_new_tokens  # where launched() put the PENDING token
+                seq.token_ids[index] = sampled[seq.request_id]
+                took.append(seq)
+                reason = seq.check_stop(self.max_model_len, index)
+                if reason is not None:
+                    del seq.token_ids[index + 1 :]  # a later step's PENDING token, if scheduled
+                    self.finish(seq.request_id, reason)
+                    continue
+            self.block_manager.cache_full_blocks(seq)
+        return took
+
+    def update(self, scheduled: list[ScheduledChunk], sampled: dict[str, int]) -> list[Sequence]:
+        """``launched`` and ``resolve`` at once, for a step whose samples are already known; returns
+        the sequences that finished."""
+        self.launched(scheduled)
+        return [seq for seq in self.resolve(scheduled, sampled) if seq.is_finished]

@@ -6,6 +6,9 @@ import enum
 
 from nanostream.sampling_params import SamplingParams
 
+PENDING = -1
+"""Placeholder for a token that the step in flight is sampling: its value is still on the device."""
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -17,7 +20,8 @@ class Sequence:
     """A request's state. Plain Python: the scheduler and block manager never touch torch.
 
     ``token_ids`` holds prompt + output. ``num_computed_tokens`` counts the leading tokens whose K/V
-    are in the cache; the next step computes ``token_ids[num_computed_tokens:]`` (or a chunk of it).
+    are in the cache (or being written by the step in flight); the next step computes
+    ``token_ids[num_computed_tokens:]`` (or a chunk of it). The last token may be ``PENDING``.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.logprobs: list[dict[int, float]] = []
         self.admitted = False
+        self.stopping = False  # its pending token reaches max_tokens or max_model_len: not scheduled again
 
     def __repr__(self) -> str:
         return (
@@ -75,10 +80,15 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def check_stop(self, max_model_len: int) -> str | None:
-        """The finish reason after the last appended token, or None to keep going."""
-        if self.num_output_tokens >= self.params.min_tokens and self.token_ids[-1] in self.stop_token_ids:
+    def check_stop(self, max_model_len: int, index: int | None = None) -> str | None:
+        """The finish reason once the token at ``index`` (default: the last) is known, or None."""
+        index = self.num_tokens - 1 if index is None else index
+        num_output = index + 1 - self.num_prompt_tokens
+        if num_output >= self.params.min_tokens and self.token_ids[index] in self.stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or index + 1 >= max_model_len:
             return "length"
         return None
+
+    def reaches_length_limit(self, max_model_len: int) -> bool:
+        return self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len
