@@ -355,6 +355,9 @@ def rel_error(out: torch.Tensor, case: Case, batch: Batch, k_cache, v_cache) -> 
 AttnFn = Callable[[Batch, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+PREFILL_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 3)]
+
+
 def attention_impls(case: Case, kernels: dict, fa4: Callable | None) -> dict[str, AttnFn | Exception]:
     """label -> fn(batch, k_cache, v_cache) returning [T, Hq, D], or the import error."""
     impls: dict[str, AttnFn | Exception] = {}
@@ -371,11 +374,13 @@ def attention_impls(case: Case, kernels: dict, fa4: Callable | None) -> dict[str
         impls["ours"] = run_ours
     else:
 
-        def run_ours(b, kc, vc):
-            res = ours(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, max_q, SCALE, out=b.out)
+        def run_ours(b, kc, vc, config=None):
+            res = ours(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, max_q, SCALE, out=b.out, config=config)
             return b.out if res is None else res
 
         impls["ours"] = run_ours
+        for config in PREFILL_SWEEP:  # other tile shapes (BLOCK_M, BLOCK_N, warps, stages), to pick the default
+            impls["ours[{}x{} w{} s{}]".format(*config)] = functools.partial(run_ours, config=config)
     if fa4 is None:
         return impls
 

@@ -86,6 +86,7 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their paged contexts.
 
@@ -93,6 +94,7 @@ def paged_prefill_attention(
     they are the last queries of its seq_lens[i] ([B] int32) context tokens, all already in the pool.
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] int32.
     ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
+    ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -113,6 +115,9 @@ def paged_prefill_attention(
     fp32 = q.dtype == torch.float32
     # bf16/fp16 at head dim <= 128: 128 x 64 tiles, 8 warps; float32 (tests, parity runs) halves them.
     block_m, block_n = (64, 32) if fp32 or block_d > 128 else (128, 64)
+    num_warps, num_stages = (8 if block_m >= 128 else 4), 2
+    if config is not None:
+        block_m, block_n, num_warps, num_stages = config
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
@@ -120,6 +125,6 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=page, IEEE=fp32,
-        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

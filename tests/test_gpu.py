@@ -1,5 +1,6 @@
 """The engine on a CUDA GPU (skipped without one): float32 token-identical to transformers with every
-backend, with and without CUDA graphs; bfloat16 backends agree with the torch reference backend."""
+backend, with and without CUDA graphs; bfloat16 backends agree with the torch reference backend
+(per-step logits, and greedy tokens except at a bf16 near-tie)."""
 
 import random
 
@@ -79,9 +80,16 @@ def test_bfloat16_backends_agree_with_torch_backend(qwen3_dir, backend):
     assert llm.engine.runner.graphs is not None
     for prompt, (ref_ids, ref_logits) in zip(prompts, expected):
         ids, logits = greedy_with_logits(llm, prompt, 32)
-        assert ids == ref_ids
-        cos = torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1)
+        # Up to the first differing token both ran on the same context: compare every step's logits.
+        same = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ids))
+        n = min(same + 1, len(ids))
+        cos = torch.nn.functional.cosine_similarity(logits[:n], ref_logits[:n], dim=-1)
         assert cos.min().item() > 0.999, cos
+        if same < len(ids):
+            # Tokens may differ only where the reference's two candidates are a bf16 rounding apart.
+            ref = ref_logits[same]
+            gap = (ref[ref_ids[same]] - ref[ids[same]]).item()
+            assert gap < 1e-2 * ref.abs().max().item(), f"step {same}: {ids[same]} vs {ref_ids[same]}, gap {gap}"
 
 
 def test_cuda_kv_pool_sized_from_gpu_memory_utilization(qwen3_dir):

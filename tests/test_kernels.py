@@ -67,7 +67,7 @@ def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=N
     return rel_err(out, reference(q, k, v, tables, list(range(len(seq_lens) + 1)), lens, scale))
 
 
-def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed):
+def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, config=None):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     seq_lens = [a + b for a, b in zip(q_lens, prefix_lens)]
@@ -80,7 +80,7 @@ def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed):
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out)
+    paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out, config=config)
     return rel_err(out, reference(q, k, v, tables, cu, lens, scale))
 
 
@@ -111,6 +111,12 @@ def test_decode_attention_matches_reference(seq_lens, heads, head_dim, block_siz
 )
 def test_prefill_attention_matches_reference(q_lens, prefix_lens, heads, head_dim, block_size):
     assert run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, torch.float32, 1) < 1e-5
+
+
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 64, 4, 2)])
+def test_prefill_attention_tile_shapes(config):
+    # Tiles smaller and larger than the prompts, so queries straddle tiles and key tiles end mid-block.
+    assert run_prefill([40, 3], [25, 9], (4, 2), 16, 8, torch.float32, 2, config) < 1e-5
 
 
 def test_store_kv_writes_each_slot_and_skips_padding():
