@@ -171,8 +171,10 @@ def run_nanostream(
     engine_kwargs: dict,
     seed: int,
     instrument: Callable[[LLM], None] | None = None,
+    after: Callable[[LLM], None] | None = None,
 ) -> Result:
-    """Warm up, then time one ``generate`` of the workload; ``instrument(llm)`` runs between the two."""
+    """Warm up, then time one ``generate`` of the workload; ``instrument(llm)`` runs between the two,
+    ``after(llm)`` once the timed run is over."""
     llm = LLM(str(model), seed=seed, **engine_kwargs)
     cfg = llm.config
     print(
@@ -200,6 +202,8 @@ def run_nanostream(
         print(f"warning: nanostream returned fewer tokens than max_tokens for {short} request(s)")
     # Count what was asked for and delivered, never more.
     counted = sum(min(g, r.max_tokens) for g, r in zip(got, workload))
+    if after is not None:
+        after(llm)
     name = "nanostream" if "attention_backend" not in engine_kwargs else f"nanostream[{llm.engine.runner.backend.name}]"
     del llm  # free the engine (weights, KV pool, graphs) before the next one starts
     gc.collect()
@@ -255,6 +259,35 @@ def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
     """Lines of a plain-text table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]) for row in rows]
+
+
+def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: int = 12) -> None:
+    """torch.profiler over ``num_steps`` engine steps at full batch (decode steady state, after 30
+    steps): the top ops by device and by host time, and a Chrome trace in ``out_dir``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    engine, step = llm.engine, llm.engine.step
+    with profile(activities=activities, schedule=schedule(wait=30, warmup=3, active=num_steps)) as prof:
+
+        def profiled_step():
+            result = step()
+            prof.step()
+            return result
+
+        engine.step = profiled_step
+        try:
+            params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=30 + 3 + num_steps + 2)
+            llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
+        finally:
+            del engine.step
+    device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"profile of {num_steps} steps, {len(workload)} requests, by device time:")
+    print(prof.key_averages().table(sort_by=device_sort, row_limit=20, max_name_column_width=60))
+    print("by host time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(out_dir) / "steps-trace.json"))
 
 
 def summary(results: list[Result]) -> str:
@@ -353,6 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backends",
         help="comma-separated attention backends to time one after another (overrides --attention-backend)",
     )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="after each timed run, profile a dozen full-batch steps; trace into DIR"
+    )
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
@@ -380,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         for backend in backends:
             kwargs = engine_kwargs if backend is None else {**engine_kwargs, "attention_backend": backend}
             try:
-                results.append(run_nanostream(model, workload, warmup, kwargs, args.seed))
+                after = (lambda llm: profile_steps(llm, workload, args.profile)) if args.profile else None
+                results.append(run_nanostream(model, workload, warmup, kwargs, args.seed, after=after))
             except ValueError as exc:  # a backend that cannot run here
                 print(f"nanostream[{backend}]: skipped: {exc}")
                 continue
