@@ -19,7 +19,9 @@ def _patch_triton_interpreter() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = interpreter._patch_lang_tensor
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # another Triton version: nothing to patch
+        return
 
     def patch(tensor, scope):
         original(tensor, scope)
