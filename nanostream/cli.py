@@ -3,6 +3,9 @@
     nanostream generate [PROMPT ...] [--model DIR] [--max-tokens N] [engine options]
     nanostream serve [MODEL] [--address ADDR] [--auth-token T] [server options] [engine options]
     nanostream make-tiny-model DIR
+    nanostream frontend NAME [--engine ADDR] [its options]   (nanostream frontend --list)
+    nanostream chat [--engine ADDR]
+    nanostream demo [--prompts N] [--model DIR] [--gradio]
 
 Engine options are generated from ``EngineConfig``'s fields, so the dataclass stays the one source
 of their defaults.
@@ -99,6 +102,32 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frontend(args: argparse.Namespace) -> int:
+    from nanostream.frontends import frontend_main, load, registered
+
+    if args.list or not args.name:
+        for name in sorted(registered()):
+            try:
+                description = load(name).description
+            except Exception as exc:  # a broken third-party plug-in must not hide the others
+                description = f"(cannot be loaded: {exc})"
+            print(f"{name:12} {description}")
+        return 0
+    return frontend_main(args.name, args.args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from nanostream.frontends import frontend_main
+
+    return frontend_main("chat", args.args, prog="nanostream chat")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from nanostream.frontends.demo import run_demo
+
+    return run_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanostream", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -125,12 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--architecture", default="Qwen3ForCausalLM", choices=["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    frontend = commands.add_parser(
+        "frontend", help="run a registered frontend against an engine", add_help=False, prefix_chars="\0"
+    )
+    frontend.add_argument("name", nargs="?", help="the frontend (nanostream frontend --list)")
+    frontend.add_argument("args", nargs=argparse.REMAINDER, help="--engine ADDR and the frontend's own options")
+    frontend.set_defaults(func=_frontend, list=False)
+
+    chat = commands.add_parser("chat", help="chat in the terminal with an engine", add_help=False, prefix_chars="\0")
+    chat.add_argument("args", nargs=argparse.REMAINDER)
+    chat.set_defaults(func=_chat)
+
+    from nanostream.frontends.demo import add_demo_arguments
+
+    demo = commands.add_parser("demo", help="an engine and several streaming clients in one live terminal view")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "frontend" and args.name in ("--list", "-l", "--help", "-h"):
+        args.list, args.name = args.name in ("--list", "-l"), None
     try:
         return args.func(args)
     except (ValueError, TypeError, NanostreamError) as exc:  # bad options or input: say what to change, no traceback

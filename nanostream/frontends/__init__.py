@@ -34,6 +34,7 @@ class Frontend(ABC):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Add this frontend's own options (``--engine`` is already there)."""
+        return
 
     @abstractmethod
     def run(self, args: argparse.Namespace) -> int:
@@ -55,3 +56,14 @@ def load(name: str) -> type[Frontend]:
     if not (isinstance(cls, type) and issubclass(cls, Frontend)):
         raise TypeError(f"entry point {found[name].value!r} of frontend {name!r} is not a nanostream Frontend")
     return cls
+
+
+def frontend_main(name: str, argv: list[str], prog: str | None = None) -> int:
+    """Parse ``argv`` for the frontend ``name`` (``--engine`` plus its own options) and run it."""
+    cls = load(name)
+    parser = argparse.ArgumentParser(prog=prog or f"nanostream frontend {name}", description=cls.description)
+    parser.add_argument(
+        "--engine", metavar="ADDR", help="the engine's address (default: the NANOSTREAM_ADDRESS environment variable)"
+    )
+    cls.add_arguments(parser)
+    return cls().run(parser.parse_args(argv))

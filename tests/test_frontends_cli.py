@@ -1,0 +1,121 @@
+"""The frontend plug-in point, the terminal chat and ``nanostream demo``, as a user runs them:
+real processes, a real engine, entry points discovered from installed distribution metadata."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nanostream import LLM, SamplingParams
+from nanostream.engine.launch import EngineProcess
+
+ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
+
+
+def nanostream(*args, stdin=None, env=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "nanostream", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    with EngineProcess(str(qwen3_dir), **ENGINE_OPTIONS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), **ENGINE_OPTIONS)
+
+
+def test_list_shows_the_built_in_frontends():
+    out = nanostream("frontend", "--list")
+    assert out.returncode == 0, out.stderr
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+    assert {"openai", "gradio", "chat"} <= set(names)
+
+
+def test_a_third_party_package_adds_a_frontend_through_its_entry_point(tmp_path, engine):
+    # An installed distribution as pip leaves it: a module plus a dist-info with entry_points.txt.
+    (tmp_path / "hello_frontend.py").write_text(
+        textwrap.dedent(
+            """
+            import anyio
+            from nanostream import AsyncClient
+            from nanostream.frontends import Frontend
+
+            class Hello(Frontend):
+                description = "greets, then prints the engine's model"
+
+                @classmethod
+                def add_arguments(cls, parser):
+                    parser.add_argument("--greeting", default="hello")
+
+                def run(self, args):
+                    async def main():
+                        async with AsyncClient(args.engine) as client:
+                            out = await client.generate([5, 6, 7], max_tokens=3, temperature=0, ignore_eos=True)
+                            print(args.greeting, client.model, len(out.token_ids))
+                    anyio.run(main)
+                    return 0
+            """
+        )
+    )
+    dist = tmp_path / "hello_frontend-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hello-frontend\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[nanostream.frontends]\nhello = hello_frontend:Hello\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    listed = nanostream("frontend", "--list", env=env)
+    assert "hello" in listed.stdout and "greets" in listed.stdout
+    out = nanostream("frontend", "hello", "--engine", engine.address, "--greeting", "hi", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "hi" and out.stdout.split()[-1] == "3"
+
+
+def test_unknown_frontend_names_the_registered_ones():
+    out = nanostream("frontend", "nope")
+    assert out.returncode == 2
+    assert "no frontend named 'nope'" in out.stderr and "openai" in out.stderr
+
+
+def test_terminal_chat_streams_replies_with_the_history(engine, llm):
+    settings = ["--temperature", "0", "--max-tokens", "12"]
+    out = nanostream("chat", "--engine", engine.address, *settings, stdin="Hello there\nAnd then?\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.chat([{"role": "user", "content": "Hello there"}], params, use_tqdm=False)[0].text
+    second = llm.chat(
+        [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "And then?"},
+        ],
+        params,
+        use_tqdm=False,
+    )[0].text
+    # Each reply is printed after a prompt marker; the second one saw the first exchange.
+    assert f"> {first}\n> {second}\n> " in out.stdout
+
+
+def test_terminal_chat_says_when_the_engine_is_not_there(tmp_path):
+    out = nanostream("chat", "--engine", f"ipc://{tmp_path}/nobody.sock", stdin="hi\n", timeout=60)
+    assert out.returncode != 0
+    assert "engine" in out.stderr.lower()
+
+
+def test_demo_runs_to_completion_and_exits_zero(qwen3_dir):
+    out = nanostream("demo", "--model", str(qwen3_dir), "--prompts", "5", "--max-tokens", "8", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[p")]
+    assert len(lines) == 5  # one line per reply without a terminal
+    assert {line[1:6] for line in lines} == {"p0/s0", "p0/s1", "p1/s0", "p1/s1"}  # 2 processes x 2 streams
+    assert "5 replies from 2 client processes" in out.stdout
