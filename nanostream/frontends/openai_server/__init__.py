@@ -1,0 +1,69 @@
+"""An OpenAI-compatible HTTP server over ``AsyncClient``: ``nanostream frontend openai``.
+
+    nanostream serve /models/Qwen3-0.6B &              # prints the engine's address
+    nanostream frontend openai --engine ipc://... --port 8000 --api-key sk-local
+
+    from openai import OpenAI
+    api = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-local")
+    api.chat.completions.create(model="Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or
+server-sent events with ``"stream": true``), ``GET /health`` (a round trip to the engine) and
+``GET /metrics`` (Prometheus). One AsyncClient, connected in the app's lifespan, carries every request.
+
+A request's life: pydantic validates the body → ``SamplingParams`` → ``client.stream``/``client.chat``
+→ the server waits for the first chunk, so a request the engine rejects is an HTTP 400 and not a
+broken stream → one JSON response, or one SSE event per chunk. An HTTP client that disconnects
+cancels the handler; that closes the nanostream ``Stream``, which aborts the request in the engine.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a request that
+can never run (the message says what to change), 401 for a wrong API key, 404 for an unknown model,
+503 when the engine cannot be reached. An error after a stream started is sent as an SSE event
+``data: {"error": ...}``, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nanostream.frontends import Frontend
+from nanostream.frontends.openai_server.app import create_app
+
+__all__ = ["OpenAIServer", "create_app"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+API_KEY_ENV = "NANOSTREAM_API_KEY"
+
+
+class OpenAIServer(Frontend):
+    """``nanostream frontend openai``: the OpenAI-compatible HTTP API on uvicorn."""
+
+    description = "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (default %(default)s)")
+        parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
+        parser.add_argument(
+            "--api-key",
+            default=os.environ.get(API_KEY_ENV),
+            help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV}, else none)",
+        )
+        parser.add_argument(
+            "--served-model-name", help="the model name requests use (default: the engine's model directory name)"
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        import uvicorn
+
+        try:
+            app = create_app(args.engine, api_key=args.api_key, served_model_name=args.served_model_name)
+        except ValueError as exc:
+            print(f"nanostream frontend openai: {exc}", file=sys.stderr)
+            return 2
+        # Until Ctrl-C or SIGTERM; if no engine answers at startup, uvicorn logs why and exits with code 3.
+        uvicorn.run(app, host=args.host, port=args.port)
+        return 0

@@ -1,0 +1,80 @@
+"""Prometheus metrics of one app: requests, tokens, latency histograms and the engine's gauges."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nanostream.errors import EngineDeadError
+from nanostream.protocol import Stats
+from nanostream.stream import Stream, StreamChunk
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (two apps in one process never collide)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "nanostream_requests",
+            "Generation requests by endpoint and finish reason (abort: the HTTP client left)",
+            ["endpoint", "finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("nanostream_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("nanostream_generation_tokens", "Generated tokens sent", registry=r)
+        self.ttft = Histogram(
+            "nanostream_time_to_first_token_seconds",
+            "Seconds from receiving a request to its first token",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.itl = Histogram(
+            "nanostream_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of a request",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+            registry=r,
+        )
+        self.running = Gauge("nanostream_requests_running", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("nanostream_requests_waiting", "Requests waiting in the engine's queue", registry=r)
+        self.kv_usage = Gauge("nanostream_kv_cache_usage", "Fraction of KV-cache blocks in use", registry=r)
+        self.engine_up = Gauge("nanostream_engine_up", "1 if the engine answered the last scrape, else 0", registry=r)
+
+    def engine_stats(self, stats: Stats | None) -> None:
+        self.engine_up.set(stats is not None)
+        if stats is not None:
+            self.running.set(stats.running)
+            self.waiting.set(stats.waiting)
+            self.kv_usage.set(1 - stats.free_kv_blocks / max(stats.total_kv_blocks, 1))
+
+    async def timed(self, stream: Stream, endpoint: str) -> AsyncIterator[StreamChunk]:
+        """``stream``'s chunks, counted and timed; however the iteration ends, so does the request."""
+        start = last = time.perf_counter()
+        first = True
+        reason = "abort"  # unless it finishes or fails: the HTTP client went away
+        try:
+            async with stream:
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if first:
+                        first = False
+                        self.prompt_tokens.inc(len(stream.prompt_token_ids))
+                        self.ttft.observe(now - start)
+                    elif chunk.token_ids:  # tokens that arrive together share the gap
+                        for _ in chunk.token_ids:
+                            self.itl.observe((now - last) / len(chunk.token_ids))
+                    last = now
+                    self.generation_tokens.inc(len(chunk.token_ids))
+                    if chunk.finish_reason == "abort":  # the engine gave up on a request we still want
+                        raise EngineDeadError("the engine aborted the request before it finished; retry it")
+                    reason = chunk.finish_reason or reason
+                    yield chunk
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            self.requests.labels(endpoint, reason).inc()
