@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -41,9 +42,13 @@ AUTH_TOKEN_ENV = "NANOSTREAM_AUTH_TOKEN"
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanostream" / "tokenizers"
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def _load_tokenizer(files: dict[str, bytes]) -> Any:
     """Load the engine's tokenizer from its files, kept in a cache directory keyed by their content."""
-    from transformers import AutoTokenizer
+    with _IMPORT_LOCK:  # transformers' lazy first import is not thread-safe (clients in several threads)
+        from transformers import AutoTokenizer
 
     digest = hashlib.sha256()
     for name in sorted(files):

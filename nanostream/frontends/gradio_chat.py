@@ -1,0 +1,262 @@
+"""A browser chat on an engine: Gradio's ChatInterface over one shared ``AsyncClient``.
+
+    nanostream frontend gradio --engine ipc:///run/nanostream.sock [--host HOST] [--port PORT]
+
+or, from Python::
+
+    app = build_app("ipc:///run/nanostream.sock", title="My model")
+    app.launch()
+
+Every browser session of the app shares one ``AsyncClient`` (so one engine connection serves them
+all); replies stream token by token with the model's chat template applied to the whole
+conversation, and the stop button aborts the request in the engine at once. When the engine is
+not answering the chat says so in place of a reply, and the next message reconnects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from nanostream.client import ADDRESS_ENV, AsyncClient
+from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError
+from nanostream.frontends import Frontend
+from nanostream.sampling_params import SamplingParams
+from nanostream.stream import Stream
+
+# Gradio would otherwise report usage to its servers; an explicit setting of the user's wins.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+import gradio as gr
+
+log = logging.getLogger(__name__)
+
+ClientFactory = Callable[[], AsyncClient]
+"""Returns a new, unconnected AsyncClient: ``lambda: AsyncClient(address, timeout=2)``."""
+
+DEFAULT_TITLE = "nanostream chat"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
+NOTICE_TITLE = "⚠️ No reply"
+MAX_TOKENS_SLIDER = 4096  # the slider's top; a reply is also cut to what the model's context has room for
+
+
+class SharedClient:
+    """The one ``AsyncClient`` of an app process, shared by every session, replaced once it has died.
+
+    An AsyncClient's sockets belong to the event loop that connected it, and its reader tasks to the
+    task that connected it, which must also close it. So it is connected on the loop Gradio runs async
+    handlers on (checked at each use: a relaunched app runs on a new loop), by a task of its own that
+    lives as long as the client, not inside one session's handler, which a stop button cancels.
+    """
+
+    def __init__(self, factory: ClientFactory) -> None:
+        self._factory = factory
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[AsyncClient] | None = None  # the connected client, or why not
+        self._release: asyncio.Event | None = None  # set: the owner task closes its client
+        self._owner: asyncio.Task | None = None  # held here: the loop keeps only a weak reference to a task
+        self.address = factory().address  # a client that never connects: this checks the address now
+
+    async def get(self, stale: AsyncClient | None = None) -> AsyncClient:
+        """The connected client, connecting a new one if there is none, it failed, or it is ``stale``."""
+        loop = asyncio.get_running_loop()
+        ready = self._ready
+        if (
+            ready is None
+            or self._loop is not loop
+            or (ready.done() and (ready.cancelled() or ready.exception() is not None or ready.result() is stale))
+        ):
+            if self._loop is loop and self._release is not None:
+                self._release.set()
+            self._loop, self._ready, self._release = loop, loop.create_future(), asyncio.Event()
+            self._owner = loop.create_task(self._own(self._factory(), self._ready, self._release))
+            ready = self._ready
+        # shield: a session cancelled while it waits must not cancel the connection other sessions share
+        return await asyncio.shield(ready)
+
+    async def chat(self, messages: list[dict[str, str]], params: SamplingParams) -> Stream:
+        """``AsyncClient.chat`` on the shared client, reconnecting once if the engine went away meanwhile."""
+        client = await self.get()
+        try:
+            return client.chat(messages, params)
+        except (EngineDeadError, ClientClosedError):
+            client = await self.get(stale=client)
+            return client.chat(messages, params)
+
+    async def _own(self, client: AsyncClient, ready: asyncio.Future, release: asyncio.Event) -> None:
+        self.address = client.address
+        try:
+            await client.connect()
+        except Exception as exc:
+            ready.set_exception(exc)
+            return
+        except BaseException:
+            ready.cancel()
+            raise
+        ready.set_result(client)
+        try:
+            await release.wait()
+        finally:
+            await client.close()
+
+
+def conversation(system_prompt: str, history: list[dict[str, Any]], message: str) -> list[dict[str, str]]:
+    """Chat-template messages from Gradio's history (messages format) and the new user message.
+
+    Gradio gives a message's content as a string or as a list of parts (``{"type": "text", "text": ...}``,
+    files, components); only text reaches the model. Titled messages (thoughts, tool calls, this app's
+    notices) are left out, and so is a user message whose only answer was a notice: the notice asked
+    the user to send it again.
+    """
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+    for turn in history:
+        title = (turn.get("metadata") or {}).get("title")
+        if title:
+            if title == NOTICE_TITLE and messages and messages[-1]["role"] == "user":
+                messages.pop()
+            continue
+        messages.append({"role": turn["role"], "content": _text(turn["content"])})
+    messages.append({"role": "user", "content": message})
+    return messages
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if isinstance(p, (str, dict)))
+
+
+def _not_answering(address: str, exc: BaseException) -> str:
+    return (
+        f"The nanostream engine at {address} is not answering ({exc}). Start it with "
+        f"`nanostream serve MODEL --address {address}`, then send your message again: the chat reconnects."
+    )
+
+
+def _with_notice(text: str, notice: str) -> list:
+    """The reply so far, then ``notice`` as a titled message (which ``conversation`` leaves out)."""
+    message = gr.ChatMessage(content=notice, metadata={"title": NOTICE_TITLE})
+    return [text, message] if text else [message]
+
+
+def build_app(
+    engine: str | ClientFactory | None = None,
+    *,
+    title: str = DEFAULT_TITLE,
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+    sampling: SamplingParams = DEFAULT_SAMPLING,
+) -> gr.Blocks:
+    """A Gradio chat app on the engine at ``engine`` (an address, or a factory of unconnected clients).
+
+    ``engine=None`` reads ``NANOSTREAM_ADDRESS``. The system prompt box and the temperature, top-p and
+    max-tokens sliders start at ``system_prompt`` and ``sampling``'s values; ``sampling``'s other
+    fields (top_k, stop, penalties, ...) apply to every reply. Example::
+
+        build_app("ipc:///run/nanostream.sock", sampling=SamplingParams(temperature=0, max_tokens=256)).launch()
+    """
+    if engine is None or isinstance(engine, str):
+        address = engine or os.environ.get(ADDRESS_ENV)
+        if not address:
+            raise ValueError(f"no engine address: pass build_app(address) or set {ADDRESS_ENV}")
+        engine = functools.partial(AsyncClient, address)
+    shared = SharedClient(engine)
+
+    async def respond(
+        message: str, history: list[dict[str, Any]], system: str, temperature: float, top_p: float, max_tokens: float
+    ) -> AsyncIterator[str | list]:
+        messages = conversation(system, history, message)
+        text = ""
+        try:
+            params = dataclasses.replace(sampling, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens))
+            stream = await shared.chat(messages, params)
+            client, prompt_len = stream.client, len(stream.prompt_token_ids)
+            room = client.max_model_len - prompt_len
+            if room < 1:
+                raise InvalidRequestError(
+                    f"the conversation ({prompt_len} tokens) fills the model's context ({client.max_model_len} "
+                    "tokens): clear it to go on"
+                )
+            if params.max_tokens > room:  # not started yet: replacing it sends nothing to the engine
+                stream = client.chat(messages, dataclasses.replace(params, max_tokens=room))
+            # Leaving this block early (the stop button: Gradio cancels the task running this generator,
+            # or closes the generator) aborts the request in the engine.
+            async with stream:
+                async for chunk in stream:
+                    if chunk.text:  # not for tokens that add no text yet (a partial character, a special token)
+                        text += chunk.text
+                        yield text
+            if not text:
+                yield text  # an empty reply still ends the turn
+        # Errors go into the chat, not into gr.Error: after a gr.Error, ChatInterface leaves the
+        # textbox disabled, and the user could not send again once the engine is back.
+        except EngineDeadError as exc:
+            log.warning("%s", exc)
+            yield _with_notice(text, _not_answering(shared.address, exc))
+        except ValueError as exc:  # InvalidRequestError from the engine, or sampling values from an API call
+            yield _with_notice(text, f"This request cannot run: {exc}")
+
+    async def connect() -> None:
+        """Connect when a page opens, so that its first message does not wait for it."""
+        with contextlib.suppress(Exception):  # the first message reports it
+            await shared.get()
+
+    app = gr.ChatInterface(
+        respond,
+        title=title,
+        additional_inputs=[
+            gr.Textbox(system_prompt, label="System prompt", lines=2),
+            gr.Slider(0.0, 2.0, value=sampling.temperature, step=0.05, label="Temperature (0: greedy)"),
+            gr.Slider(0.05, 1.0, value=sampling.top_p, step=0.05, label="Top-p"),
+            gr.Slider(
+                1,
+                max(MAX_TOKENS_SLIDER, sampling.max_tokens or 0),
+                value=sampling.max_tokens or 512,
+                step=1,
+                label="Max tokens",
+            ),
+        ],
+        additional_inputs_accordion=gr.Accordion("Settings", open=False),
+        concurrency_limit=None,  # every session streams at once: the engine batches them
+        flagging_mode="never",
+        analytics_enabled=False,
+        api_name="chat",
+    )
+    with app:
+        app.load(connect, api_visibility="undocumented", queue=False)
+    return app
+
+
+class GradioChat(Frontend):
+    """``nanostream frontend gradio``: the browser chat, served until Ctrl-C."""
+
+    description = "browser chat (Gradio): streaming replies, system prompt, sampling sliders, stop button"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", help="interface to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1)")
+        parser.add_argument(
+            "--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or the first free one from 7860)"
+        )
+        parser.add_argument("--title", default=DEFAULT_TITLE, help="page title (default: %(default)s)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        app = build_app(args.engine, title=args.title)
+        app.launch(server_name=args.host, server_port=args.port, share=False, prevent_thread_lock=True)
+        try:
+            threading.Event().wait()  # until Ctrl-C
+        except KeyboardInterrupt:
+            pass
+        finally:
+            # Not Gradio's own Ctrl-C handling (launch without prevent_thread_lock): it leaves the
+            # sessions' heartbeat streams open, and the server waits 5 s for them before giving up.
+            app.close()
+        return 0

@@ -1,0 +1,306 @@
+"""The Gradio chat app against a real engine process (tiny model, CPU), through its API and a browser.
+
+What a user of the chat relies on: the streamed reply is the model's reply to the whole conversation
+under its chat template and the chosen system prompt, sessions side by side share the engine and get
+their own replies, the stop button frees the engine at once, and a dead engine gets a notice in the chat
+in place of a reply while the session goes on, and replies again once the engine is back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import re
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import pytest
+from gradio_client import Client
+
+from nanostream import AsyncClient, SamplingParams
+from nanostream.client import ADDRESS_ENV
+from nanostream.engine.launch import EngineProcess
+from nanostream.frontends import load
+from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, NOTICE_TITLE, GradioChat, build_app, conversation
+
+# Gradio's queue calls pandas in ways pandas 3 deprecates: nothing this test or the app can change.
+pytestmark = pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")
+
+ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
+GREEDY = SamplingParams(temperature=0, max_tokens=24)  # the test apps' slider defaults
+PIRATE = "You are a pirate. Answer like one."
+LONG_TOKENS = 2000  # seconds of decoding on CPU unless aborted
+ABORT_WITHIN = 1.5  # seconds from cancel to an idle engine
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chat_args(message: str, system: str = DEFAULT_SYSTEM_PROMPT, max_tokens: int = GREEDY.max_tokens) -> tuple:
+    """The /chat endpoint's inputs: message, system prompt, temperature, top-p, max tokens."""
+    return message, system, 0.0, 1.0, max_tokens
+
+
+def conv(message: str, system: str = DEFAULT_SYSTEM_PROMPT, history: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    turns = [{"role": role, "content": text} for role, text in zip(["user", "assistant"] * len(history), history)]
+    return [{"role": "system", "content": system}, *turns, {"role": "user", "content": message}]
+
+
+def run(main):
+    """``anyio.run(main)`` in a thread of its own: the test's thread may hold Playwright's event loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(anyio.run, main).result()
+
+
+def greedy_replies(address: str, conversations: list[list[dict]], max_tokens: int = GREEDY.max_tokens) -> list[str]:
+    """``AsyncClient.chat``'s greedy reply to each conversation: what the app must show."""
+
+    async def main() -> list[str]:
+        async with AsyncClient(address) as client:
+
+            async def one(messages: list[dict]) -> str:
+                return "".join([c.text async for c in client.chat(messages, temperature=0, max_tokens=max_tokens)])
+
+            return list(await asyncio.gather(*map(one, conversations)))
+
+    return run(main)
+
+
+def wait_idle(address: str, within: float) -> float:
+    """Seconds until the engine runs nothing and every KV block is free; fails after ``within``."""
+
+    async def main() -> float:
+        async with AsyncClient(address) as client:
+            start = time.monotonic()
+            while True:
+                stats = await client.stats()
+                if stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks:
+                    return time.monotonic() - start
+                if time.monotonic() - start > within:
+                    raise AssertionError(f"the engine still holds requests {within} s later: {stats}")
+                await anyio.sleep(0.02)
+
+    return run(main)
+
+
+def running_requests(address: str) -> int:
+    async def main() -> int:
+        async with AsyncClient(address) as client:
+            return (await client.stats()).running
+
+    return run(main)
+
+
+def wait_for(condition, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within} s")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(app):
+    """The app's local URL while it is served (in Gradio's own thread and event loop)."""
+    _, url, _ = app.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        yield url
+    finally:
+        app.close(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    with EngineProcess(str(qwen3_dir), **ENGINE_OPTIONS) as eng:
+        # One client connects before any test: transformers' lazy imports are not thread-safe, and a
+        # test's AsyncClient and the app's, loading their tokenizers at once, can fail the first import.
+        greedy_replies(eng.address, [])
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with served(build_app(engine.address, sampling=GREEDY)) as url:
+        yield url
+
+
+def test_conversation_from_gradio_history():
+    notice = {"role": "assistant", "content": "engine down", "metadata": {"title": NOTICE_TITLE}}
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},  # as the browser's chatbot sends it
+        {"role": "assistant", "content": "Hello!"},  # as an API session's state holds it
+        {"role": "user", "content": "Are you there?"},
+        notice,  # no reply: the user was asked to send it again
+        {"role": "user", "content": [{"type": "file", "file": {"path": "/tmp/x.png"}}]},
+        {"role": "assistant", "content": "Half a rep"},
+        notice,  # the engine died mid-reply: the partial reply stays
+    ]
+    assert conversation("Be brief.", history, "Again?") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": "Half a rep"},
+        {"role": "user", "content": "Again?"},
+    ]
+    assert conversation("  ", [], "Hi") == [{"role": "user", "content": "Hi"}]  # no system prompt
+
+
+def test_registered_frontend_and_its_options(monkeypatch):
+    assert load("gradio") is GradioChat
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine")
+    GradioChat.add_arguments(parser)
+    args = parser.parse_args(["--port", "8123", "--host", "0.0.0.0"])
+    assert (args.port, args.host, args.engine) == (8123, "0.0.0.0", None)
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    with pytest.raises(ValueError, match=ADDRESS_ENV):  # no address anywhere: says what to set, serves nothing
+        GradioChat().run(args)
+
+
+def test_reply_is_the_greedy_chat_reply_with_system_prompt_and_history(engine, url):
+    first = Client(url, verbose=False)
+    job = first.submit(*chat_args("Hello there!"), api_name="/chat")
+    reply = job.result(timeout=30)
+    streamed = job.outputs()
+    second_reply = first.predict(*chat_args("And then?"), api_name="/chat")  # same session: the history counts
+    pirate_reply = Client(url, verbose=False).predict(*chat_args("Hello there!", PIRATE), api_name="/chat")
+
+    ref, ref_pirate = greedy_replies(engine.address, [conv("Hello there!"), conv("Hello there!", PIRATE)])
+    ref_second, ref_forgetful = greedy_replies(
+        engine.address, [conv("And then?", history=("Hello there!", ref)), conv("And then?")]
+    )
+    assert ref and ref != ref_pirate and ref_second != ref_forgetful  # else this test could not fail
+    assert reply == ref
+    assert all(ref.startswith(part) for part in streamed)  # the growing reply (in several parts: see the next tests)
+    assert pirate_reply == ref_pirate
+    assert second_reply == ref_second
+
+
+def test_two_sessions_at_once_each_get_their_own_reply(engine, url):
+    messages, max_tokens = ["Once upon a time", "Tell a long story."], 400  # over a second each
+    sessions = [Client(url, verbose=False) for _ in messages]
+    jobs = [s.submit(*chat_args(m, max_tokens=max_tokens), api_name="/chat") for s, m in zip(sessions, messages)]
+
+    async def most_running() -> int:  # how many requests the engine ran at once while the jobs ran
+        async with AsyncClient(engine.address) as client:
+            most = 0
+            while not all(job.done() for job in jobs):
+                most = max(most, (await client.stats()).running)
+                await anyio.sleep(0.02)
+            return most
+
+    most = run(most_running)
+    replies = [job.result(timeout=30) for job in jobs]
+    assert replies == greedy_replies(engine.address, [conv(m) for m in messages], max_tokens)
+    assert replies[0] != replies[1]
+    assert most == 2
+
+
+def test_cancelling_the_reply_aborts_it_in_the_engine(engine, url):
+    client = Client(url, verbose=False)
+    job = client.submit(*chat_args("Tell a long story.", max_tokens=LONG_TOKENS), api_name="/chat")
+    wait_for(lambda: len(job.outputs()) >= 3, 30, "the reply streams")
+    assert running_requests(engine.address) == 1
+    parts = job.outputs()
+    start = time.monotonic()
+    job.cancel()  # what the stop button does: POST /cancel for this session's running event
+    wait_idle(engine.address, ABORT_WITHIN)
+    assert time.monotonic() - start < ABORT_WITHIN + 1
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(parts)), parts  # streamed
+    # The shared AsyncClient is unharmed: a new session gets its reply.
+    assert (
+        Client(url, verbose=False).predict(*chat_args("Hello there!"), api_name="/chat")
+        == greedy_replies(engine.address, [conv("Hello there!")])[0]
+    )
+
+
+def is_notice(reply, pattern: str) -> bool:
+    """``reply`` (one message of the /chat response) is the app's notice, and its text matches ``pattern``."""
+    return (
+        isinstance(reply, dict)
+        and reply["metadata"]["title"] == NOTICE_TITLE
+        and bool(re.search(pattern, reply["content"]))
+    )
+
+
+def test_engine_down_shows_a_notice_and_the_app_reconnects(qwen3_dir):
+    address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"  # short: ipc paths are limited to ~100 bytes
+    app = build_app(lambda: AsyncClient(address, timeout=2), sampling=GREEDY)
+    with served(app) as url:
+        client = Client(url, verbose=False)
+        start = time.monotonic()
+        (notice,) = client.predict(*chat_args("Hello there!"), api_name="/chat")
+        assert time.monotonic() - start < 10
+        assert is_notice(notice, f"engine at {re.escape(address)} is not answering.*`nanostream serve")
+
+        with EngineProcess(str(qwen3_dir), address=address, heartbeat_interval=0.25, **ENGINE_OPTIONS) as eng:
+            # The same session chats on, and the unanswered message is not part of the conversation.
+            reply = client.predict(*chat_args("Hello there!"), api_name="/chat")
+            assert reply == greedy_replies(eng.address, [conv("Hello there!")])[0]
+            job = client.submit(*chat_args("Tell a long story.", max_tokens=LONG_TOKENS), api_name="/chat")
+            wait_for(lambda: len(job.outputs()) >= 3, 30, "the reply streams")
+            eng.stop()  # the engine shuts down under the stream
+        partial, notice = job.result(timeout=10)
+        assert isinstance(partial, str) and partial
+        assert is_notice(notice, "is not answering.*(shut down|shutting down)")
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"needs Chromium at {CHROMIUM} (apt-get install -y chromium)")
+def test_browser_chat_streams_the_reply_and_stops(engine, url, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    expected = greedy_replies(engine.address, [conv("Hello there!")])[0]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            fetched: list[str] = []
+            page.on("request", lambda request: fetched.append(request.url))
+            page.goto(url)
+            page.get_by_role("button", name=re.compile(r"^Settings\W*$")).click()  # the accordion, not the footer's
+            box = page.get_by_test_id("textbox").first  # the message box (the system prompt's is the other)
+            box.fill("Hello there!")
+            box.press("Enter")
+            bot = page.get_by_test_id("bot")
+            wait_for(lambda: " ".join(bot.last.inner_text().split()) == " ".join(expected.split()), 30, "the reply")
+            shot = tmp_path / "chat.png"
+            page.screenshot(path=shot)
+            expect(box).to_be_enabled()  # the turn is over
+
+            # A long reply, then the stop button.
+            page.get_by_label("range slider for Max tokens").fill(str(LONG_TOKENS))
+            expect(page.get_by_label("number input for Max tokens")).to_have_value(str(LONG_TOKENS))
+            box.fill("Tell a long story.")
+            box.press("Enter")
+            wait_for(lambda: bot.count() == 2 and len(bot.last.inner_text()) > 20, 30, "the long reply streams")
+            assert running_requests(engine.address) == 1, f"not running: {bot.last.inner_text()!r}"
+            page.locator("button.stop-button").click()
+            wait_idle(engine.address, ABORT_WITHIN)
+            expect(page.get_by_test_id("submit-button")).to_be_visible()
+        finally:
+            browser.close()
+
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
+    offsite = [u for u in fetched if not u.startswith((url, "data:", "blob:"))]
+    assert not offsite, f"the page fetched from elsewhere: {offsite}"
