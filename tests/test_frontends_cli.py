@@ -2,9 +2,11 @@
 real processes, a real engine, entry points discovered from installed distribution metadata."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -119,3 +121,28 @@ def test_demo_runs_to_completion_and_exits_zero(qwen3_dir):
     assert len(lines) == 5  # one line per reply without a terminal
     assert {line[1:6] for line in lines} == {"p0/s0", "p0/s1", "p1/s0", "p1/s1"}  # 2 processes x 2 streams
     assert "5 replies from 2 client processes" in out.stdout
+
+
+def test_demo_ctrl_c_stops_the_clients_and_the_engine(qwen3_dir):
+    # Ctrl-C in a terminal signals the demo's whole process group (its client processes too).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanostream", "demo", "--model", str(qwen3_dir), "--prompts", "1000", "--plain"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    engine_pid = None
+    for line in proc.stdout:  # the engine's pid is in its default address; wait for a first reply
+        if line.startswith("engine ready at"):
+            engine_pid = int(line.split("nanostream-")[1].split("-")[0])
+        if line.startswith("[p"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert "stopped" in proc.stdout.read()
+    with pytest.raises(ProcessLookupError):  # the engine process is gone too
+        for _ in range(100):
+            os.kill(engine_pid, 0)
+            time.sleep(0.1)

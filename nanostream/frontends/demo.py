@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import multiprocessing
 import queue as queue_mod
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -195,7 +196,13 @@ def _stream_demo(args: argparse.Namespace, address: str) -> int:
     return 0 if replies == args.prompts and not failed and all(p.exitcode == 0 for p in procs) else 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM or a closed terminal: stop as Ctrl-C does, engine included
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     for name in ("prompts", "processes", "streams", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
