@@ -7,6 +7,7 @@ to compute) and returns the token sampled for every sequence whose chunk reached
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,14 @@ class InFlight:
 
     seqs: list[Sequence]  # the sequences that sample, in row order
     rows: dict[str, int]  # request id -> row of ``out``
-    out: SamplerOutput | None  # None when no chunk samples
+    out: SamplerOutput | None  # on the device (the next step reads pending tokens from it); None: no samples
+    host: SamplerOutput | None = None  # the same, being copied into pinned host memory
+    copied: torch.cuda.Event | None = None  # recorded after those copies (CUDA only)
+
+
+def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 @contextlib.contextmanager
@@ -230,14 +238,24 @@ class ModelRunner:
             hidden = hidden[self._tensor(sample_rows, torch.int64)]
         logits = self.model.compute_logits(hidden)  # [B, V] float32
         out = sample(logits, self.sampling_batch(seqs))
-        return InFlight(seqs, {s.request_id: i for i, s in enumerate(seqs)}, out)
+        step = InFlight(seqs, {s.request_id: i for i, s in enumerate(seqs)}, out, out)
+        if self.device.type == "cuda":
+            # Start the copy back now and wait for this event alone in collect(): a plain .tolist() would
+            # also wait for the step launched after this one, and nothing would overlap.
+            fields = (getattr(out, f.name) for f in dataclasses.fields(out))  # (astuple would deep-copy them)
+            step.host = SamplerOutput(*(None if t is None else _copy_to_host(t) for t in fields))
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        return step
 
     def collect(self, step: InFlight) -> dict[str, SampledToken]:
         """Wait for a launched step; its sampled token (and logprobs) per sequence that sampled."""
-        seqs, out = step.seqs, step.out
+        seqs, out = step.seqs, step.host
         if out is None:
             return {}
-        token_ids = out.token_ids.tolist()  # the step's one host synchronisation
+        if step.copied is not None:
+            step.copied.synchronize()  # the step's one host synchronisation
+        token_ids = out.token_ids.tolist()
         if out.logprobs is None:
             return {seq.request_id: SampledToken(t, None) for seq, t in zip(seqs, token_ids)}
         lps = out.logprobs.tolist()
