@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# The GPU machine's work, in two calls on one warm machine (FlashAttention-4 travels in two halves).
-#   bash apps/gpu_suite.sh a   # wheels + FA4 half a; the Triton kernel tests (a short call)
-#   bash apps/gpu_suite.sh b   # FA4 half b + install; every gpu test, kernel/step benchmarks, bench.py
+# The GPU machine's work, as consecutive calls on one warm machine (FlashAttention-4 travels in two
+# halves, each call must start within the machine's 30 s warm window after the previous one):
+#   bash apps/gpu_suite.sh a       # wheels + FA4 half a; the Triton kernel tests (short)
+#   bash apps/gpu_suite.sh b       # FA4 half b + install + smoke; every gpu-marked test (~5 min)
+#   bash apps/gpu_suite.sh bench   # apps/bench.py: flash_attn, triton and HF on the 256-request workload,
+#                                  #   then a torch.profiler table of a dozen full-batch steps
+#   bash apps/gpu_suite.sh kernels # apps/bench_kernels.py: ceilings, kernels vs FA4, decode steps, prefill
+#   bash apps/gpu_suite.sh train   # apps/train_demo_model.py on .gpu/corpus/corpus.txt (issue 6), ~8 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
-# ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py). Logs go to $OUT (or ./gpu-out).
+# ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py), .gpu/corpus (train).
+# Logs and results go to $OUT (or ./gpu-out); each stage prints a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh a|b}; shift
+stage=${1:?usage: gpu_suite.sh a|b|bench|kernels|train}; shift
 site=/tmp/nanostream-site
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
@@ -21,12 +27,22 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 bench=(python3 apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random)
 
-if [ "$stage" = a ]; then
-    timeout 240 python3 -m pytest -q tests/test_kernels.py 2>&1 | tee "$out/tests-a.log" | tail -n 30
-else
+case "$stage" in
+a)
+    timeout 240 python3 -m pytest -q tests/test_kernels.py 2>&1 | tee "$out/tests-a.log" | tail -n 30 ;;
+b)
     python3 .gpu/tools/fa4-smoke.py 2>&1 | tail -n 2
-    python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/tests-b.log" | tail -n 15
-    timeout 240 python3 apps/bench_kernels.py --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" | tail -n 60
-    timeout 400 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 "$@" 2>&1 | tee "$out/bench-b.log"
-    echo "== summary (b) =="; tail -n 1 "$out/tests-b.log"; sed -n '/^engine /,$p' "$out/bench-b.log"
-fi
+    timeout 500 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/tests-b.log" | tail -n 25 ;;
+bench)
+    timeout 560 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 --profile "$out" "$@" 2>&1 \
+        | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 80
+    echo "== summary =="; sed -n '/^engine /,$p' "$out/bench.log" | head -n 8 ;;
+kernels)
+    timeout 560 python3 apps/bench_kernels.py --out "$out/kernels.json" --budget 500 "$@" 2>&1 \
+        | tee "$out/kernels.log" | tail -n 70 ;;
+train)
+    timeout 560 python3 apps/train_demo_model.py --corpus .gpu/corpus/corpus.txt --out "$out/demo-model" \
+        --time-limit 420 "$@" 2>&1 | tee "$out/train.log" | tail -n 60 ;;
+*)
+    echo "unknown stage $stage"; exit 2 ;;
+esac
