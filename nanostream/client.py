@@ -235,6 +235,8 @@ class AsyncClient:
                 self._sock.send(beat, flags=zmq.NOBLOCK)
 
     def _die(self, exc: BaseException) -> None:
+        if self._dead is not None:  # the reader and the heartbeat can both notice; say it once
+            return
         log.error("%s", exc)
         self._dead = exc
         self._fail_all(exc)
