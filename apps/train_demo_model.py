@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanostream.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from nanostream.tiny_model import build_tokenizer
 
 # 12.5M parameters (the tied embedding counted once) are 25.0e6 bytes in bfloat16; the limit in
 # bytes leaves room for the safetensors header.
@@ -219,29 +219,8 @@ def read_documents(path: Path) -> list[str]:
 
 
 def train_tokenizer(docs: list[str], vocab_size: int):
-    """A byte-level BPE (``tokenizers``) with nanostream's special tokens and chat template.
-
-    The BPE trainer is deterministic for a given input order, so the seed does not enter here.
-    """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    """nanostream's byte-level BPE (special tokens, chat template) trained on the corpus, NFC-normalised."""
+    return build_tokenizer(vocab_size, docs, nfc=True)
 
 
 def chat_prompt(doc: str, rng: random.Random) -> str:

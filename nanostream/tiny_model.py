@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,12 +35,16 @@ CHAT_TEMPLATE = (
 DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanostream" / "tiny-qwen3"
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on the embedded text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *, nfc: bool = False):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer) with nanostream's special tokens and
+    ChatML chat template, trained on ``texts`` (default: the embedded text). ``nfc``: NFC-normalise
+    the input first. The BPE trainer is deterministic for a given input order."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -48,7 +53,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tok.train_from_iterator(_CORPUS.splitlines() if texts is None else texts, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
     )

@@ -1,19 +1,16 @@
 """A Gradio app, the OpenAI-compatible server and a plain script stream from one engine at the same
 time, each from a process or server of its own, and each gets exactly the offline greedy output."""
 
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
 import openai
-import uvicorn
 from gradio_client import Client
+from helpers import serve_http
 
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.engine.launch import EngineProcess
@@ -22,19 +19,6 @@ from nanostream.frontends.openai_server import create_app
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 MAX_TOKENS = 300  # long enough that the three streams overlap
-
-
-def serve_http(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the HTTP server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
 SCRIPT = textwrap.dedent(
@@ -68,7 +52,7 @@ def test_gradio_http_and_a_script_stream_from_one_engine_at_once(qwen3_dir, tmp_
     with EngineProcess(str(qwen3_dir), **ENGINE_OPTIONS) as engine:
         gradio_app = build_app(engine.address, sampling=greedy)
         _, gradio_url, _ = gradio_app.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
-        http_url, server, thread = serve_http(create_app(engine.address))
+        http_url, stop_http = serve_http(create_app(engine.address))
         try:
             gradio = Client(gradio_url, verbose=False)
             api = openai.OpenAI(base_url=f"{http_url}/v1", api_key="unused")
@@ -98,8 +82,7 @@ def test_gradio_http_and_a_script_stream_from_one_engine_at_once(qwen3_dir, tmp_
             got["script"] = first + proc.stdout.read()
             assert proc.wait(60) == 0
         finally:
-            server.should_exit = True
-            thread.join(10)
+            stop_http()
             gradio_app.close(verbose=False)
     assert got == expected
     assert busiest == 3  # all three were in the engine at once

@@ -16,12 +16,12 @@ import re
 import socket
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
 import pytest
 from gradio_client import Client
+from helpers import run_in_thread, wait_engine_idle
 
 from nanostream import AsyncClient, SamplingParams
 from nanostream.client import ADDRESS_ENV
@@ -60,12 +60,6 @@ def conv(message: str, system: str = DEFAULT_SYSTEM_PROMPT, history: tuple[str, 
     return [{"role": "system", "content": system}, *turns, {"role": "user", "content": message}]
 
 
-def run(main):
-    """``anyio.run(main)`` in a thread of its own: the test's thread may hold Playwright's event loop."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(anyio.run, main).result()
-
-
 def greedy_replies(address: str, conversations: list[list[dict]], max_tokens: int = GREEDY.max_tokens) -> list[str]:
     """``AsyncClient.chat``'s greedy reply to each conversation: what the app must show."""
 
@@ -77,24 +71,7 @@ def greedy_replies(address: str, conversations: list[list[dict]], max_tokens: in
 
             return list(await asyncio.gather(*map(one, conversations)))
 
-    return run(main)
-
-
-def wait_idle(address: str, within: float) -> float:
-    """Seconds until the engine runs nothing and every KV block is free; fails after ``within``."""
-
-    async def main() -> float:
-        async with AsyncClient(address) as client:
-            start = time.monotonic()
-            while True:
-                stats = await client.stats()
-                if stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks:
-                    return time.monotonic() - start
-                if time.monotonic() - start > within:
-                    raise AssertionError(f"the engine still holds requests {within} s later: {stats}")
-                await anyio.sleep(0.02)
-
-    return run(main)
+    return run_in_thread(main)
 
 
 def running_requests(address: str) -> int:
@@ -102,7 +79,7 @@ def running_requests(address: str) -> int:
         async with AsyncClient(address) as client:
             return (await client.stats()).running
 
-    return run(main)
+    return run_in_thread(main)
 
 
 def wait_for(condition, within: float, what: str) -> None:
@@ -210,7 +187,7 @@ def test_two_sessions_at_once_each_get_their_own_reply(engine, url):
                 await anyio.sleep(0.02)
             return most
 
-    most = run(most_running)
+    most = run_in_thread(most_running)
     replies = [job.result(timeout=30) for job in jobs]
     assert replies == greedy_replies(engine.address, [conv(m) for m in messages], max_tokens)
     assert replies[0] != replies[1]
@@ -225,7 +202,7 @@ def test_cancelling_the_reply_aborts_it_in_the_engine(engine, url):
     parts = job.outputs()
     start = time.monotonic()
     job.cancel()  # what the stop button does: POST /cancel for this session's running event
-    wait_idle(engine.address, ABORT_WITHIN)
+    wait_engine_idle(engine.address, ABORT_WITHIN)
     assert time.monotonic() - start < ABORT_WITHIN + 1
     assert all(b.startswith(a) and len(b) > len(a) for a, b in itertools.pairwise(parts)), parts  # streamed
     # The shared AsyncClient is unharmed: a new session gets its reply.
@@ -296,7 +273,7 @@ def test_browser_chat_streams_the_reply_and_stops(engine, url, tmp_path):
             wait_for(lambda: bot.count() == 2 and len(bot.last.inner_text()) > 20, 30, "the long reply streams")
             assert running_requests(engine.address) == 1, f"not running: {bot.last.inner_text()!r}"
             page.locator("button.stop-button").click()
-            wait_idle(engine.address, ABORT_WITHIN)
+            wait_engine_idle(engine.address, ABORT_WITHIN)
             expect(page.get_by_test_id("submit-button")).to_be_visible()
         finally:
             browser.close()

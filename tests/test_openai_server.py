@@ -14,18 +14,15 @@ import argparse
 import json
 import os
 import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import anyio
 import httpx
 import openai
 import pytest
-import uvicorn
+from helpers import engine_processes, serve_http, wait_engine_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanostream import LLM, AsyncClient, SamplingParams
@@ -47,31 +44,11 @@ PARTS = [
 ]
 
 
-def serve(app) -> tuple[str, uvicorn.Server, threading.Thread]:
-    """Run ``app`` on uvicorn in a thread, on a port the OS picks; returns its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
-
-
 @pytest.fixture(scope="module")
 def engines(qwen3_dir) -> Iterator[dict[str, EngineProcess]]:
     """Engine processes: "main" serves the module, "doomed" is killed by one test."""
-    started = {name: EngineProcess(str(qwen3_dir), **ENGINE_OPTIONS) for name in ("main", "doomed")}
-    try:
-        with ThreadPoolExecutor(len(started)) as pool:
-            list(pool.map(EngineProcess.start, started.values()))
+    with engine_processes(str(qwen3_dir), {"main": ENGINE_OPTIONS, "doomed": ENGINE_OPTIONS}) as started:
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +58,9 @@ def llm(qwen3_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def url(engines) -> Iterator[str]:
-    base, server, thread = serve(create_app(engines["main"].address, api_key=API_KEY))
+    base, stop = serve_http(create_app(engines["main"].address, api_key=API_KEY))
     yield base
-    server.should_exit = True
-    thread.join(10)
+    stop()
 
 
 @pytest.fixture(scope="module")
@@ -101,23 +77,6 @@ def api(url) -> openai.OpenAI:
 def http(url) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
         yield client
-
-
-def wait_idle(address: str, within: float) -> float:
-    """Seconds until the engine runs nothing and every KV block is free; fails after ``within``."""
-
-    async def main() -> float:
-        async with AsyncClient(address) as client:
-            start = time.monotonic()
-            while True:
-                stats = await client.stats()
-                if stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks:
-                    return time.monotonic() - start
-                if time.monotonic() - start > within:
-                    raise AssertionError(f"the engine still holds requests {within} s later: {stats}")
-                await anyio.sleep(0.02)
-
-    return anyio.run(main)
 
 
 def events(response: httpx.Response) -> Iterator[dict | str]:
@@ -330,7 +289,7 @@ def test_api_key(url, http):
 def test_engine_down_is_503(engines):
     """An open stream ends with an SSE error event; then every request is a 503, and /health says so."""
     engine = engines["doomed"]
-    base, server, thread = serve(create_app(lambda: AsyncClient(engine.address, timeout=1.0)))
+    base, stop = serve_http(create_app(lambda: AsyncClient(engine.address, timeout=1.0)))
     try:
         with httpx.Client(base_url=base, timeout=30) as http:
             assert http.get("/health").json()["status"] == "ok"
@@ -346,8 +305,7 @@ def test_engine_down_is_503(engines):
                 assert error["type"] == "service_unavailable"
             assert "nanostream_engine_up 0.0" in http.get("/metrics").text
     finally:
-        server.should_exit = True
-        thread.join(10)
+        stop()
 
 
 def test_frontend_without_an_engine_address_says_what_to_give(monkeypatch, capsys):
@@ -365,7 +323,7 @@ def test_frontend_without_an_engine_address_says_what_to_give(monkeypatch, capsy
 @pytest.mark.parametrize("stream", [True, False])
 def test_hanging_up_aborts_the_request(url, engines, stream):
     address = engines["main"].address
-    wait_idle(address, ABORT_WITHIN)
+    wait_engine_idle(address, ABORT_WITHIN)
     body = {"messages": CONVERSATION, "stream": stream, **LONG}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     if stream:
@@ -377,7 +335,7 @@ def test_hanging_up_aborts_the_request(url, engines, stream):
         with pytest.raises(httpx.ReadTimeout):  # hangs up after half a second
             httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=0.5)
     hung_up = time.monotonic()
-    wait_idle(address, ABORT_WITHIN)
+    wait_engine_idle(address, ABORT_WITHIN)
     assert time.monotonic() - hung_up < ABORT_WITHIN
     assert 'nanostream_requests_total{endpoint="chat",finish_reason="abort"}' in httpx.get(url + "/metrics").text
 

@@ -18,15 +18,14 @@ import random
 import signal
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
+from helpers import engine_processes, wait_idle
 
 from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
-from nanostream.engine.launch import EngineProcess
 
 # The streaming layer is the subject here: CPU engines, several at once, also on a GPU machine
 # (where each would otherwise claim gpu_memory_utilization of the one device).
@@ -69,18 +68,6 @@ async def collect(stream) -> list:
     return [chunk async for chunk in stream]
 
 
-async def wait_idle(client: AsyncClient, within: float) -> float:
-    """Seconds until the engine runs nothing and every KV block is free; fails after ``within``."""
-    start = time.monotonic()
-    while True:
-        stats = await client.stats()
-        if stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks:
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
-            raise AssertionError(f"the engine still holds requests {within} s later: {stats}")
-        await anyio.sleep(0.02)
-
-
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, **kwargs)
 
@@ -100,14 +87,8 @@ def engines(qwen3_dir):
     CLIENTS.set_forkserver_preload(["nanostream"])
     multiprocessing.forkserver.ensure_running()  # imports nanostream while the engines start
     options = {"main": ENGINE_OPTIONS, "tuned": TUNED_OPTIONS, "to_kill": ENGINE_OPTIONS, "to_stop": ENGINE_OPTIONS}
-    started = {name: EngineProcess(str(qwen3_dir), **opts) for name, opts in options.items()}
-    try:
-        with ThreadPoolExecutor(len(started)) as pool:
-            list(pool.map(EngineProcess.start, started.values()))
+    with engine_processes(str(qwen3_dir), options) as started:
         yield started
-    finally:
-        for eng in started.values():
-            eng.stop()
 
 
 @pytest.fixture(scope="module")

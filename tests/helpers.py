@@ -1,0 +1,77 @@
+"""What several test modules need: engines started together, an engine gone idle, an app on HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio
+
+from nanostream import AsyncClient
+from nanostream.engine.launch import EngineProcess
+
+
+@contextlib.contextmanager
+def engine_processes(model: str, options: dict[str, dict]) -> Iterator[dict[str, EngineProcess]]:
+    """One engine process per name, with its options, started at once (a start is mostly loading)."""
+    started = {name: EngineProcess(model, **opts) for name, opts in options.items()}
+    try:
+        with ThreadPoolExecutor(len(started)) as pool:
+            list(pool.map(EngineProcess.start, started.values()))
+        yield started
+    finally:
+        for engine in started.values():
+            engine.stop()
+
+
+async def wait_idle(client: AsyncClient, within: float) -> float:
+    """Seconds until the engine runs nothing and every KV block is free; fails after ``within``."""
+    start = time.monotonic()
+    while True:
+        stats = await client.stats()
+        if stats.running == stats.waiting == 0 and stats.free_kv_blocks == stats.total_kv_blocks:
+            return time.monotonic() - start
+        if time.monotonic() - start > within:
+            raise AssertionError(f"the engine still holds requests {within} s later: {stats}")
+        await anyio.sleep(0.02)
+
+
+def run_in_thread(main, *args):
+    """``anyio.run(main, *args)`` in a thread of its own (the caller's thread may run an event loop)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(anyio.run, main, *args).result()
+
+
+def wait_engine_idle(address: str, within: float) -> float:
+    """``wait_idle`` from synchronous code, through a client of its own."""
+
+    async def main() -> float:
+        async with AsyncClient(address) as client:
+            return await wait_idle(client, within)
+
+    return run_in_thread(main)
+
+
+def serve_http(app) -> tuple[str, object]:
+    """Run an ASGI ``app`` on uvicorn in a thread, on a port the OS picks: (base URL, stop function)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the HTTP server did not start"
+        time.sleep(0.02)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
