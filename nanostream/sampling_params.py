@@ -88,3 +88,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Sampling reads the request's own earlier tokens (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)

@@ -217,7 +217,9 @@ class ModelRunner:
             cu_seqlens_q_host=cu_q,
             seq_lens_host=seq_lens,
         )
-        ids = self._tensor([0 if t == PENDING else t for t in input_ids], torch.int64)
+        for row, _ in pending:
+            input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
+        ids = self._tensor(input_ids, torch.int64)
         if pending:  # on the device, after the step in flight has sampled them: no host round trip
             rows, prev_rows = zip(*pending)
             ids[self._tensor(rows, torch.int64)] = prev.out.token_ids[self._tensor(prev_rows, torch.int64)]
@@ -290,7 +292,7 @@ class ModelRunner:
             needs_min_p=any(x.min_p > 0 for x in p),
             max_logprobs=max((x.logprobs for x in p if x.logprobs is not None), default=-1),
         )
-        if any(x.repetition_penalty != 1 or x.presence_penalty or x.frequency_penalty for x in p):
+        if any(x.has_penalties for x in p):
             batch.repetition_penalty = self._tensor([x.repetition_penalty for x in p], f32)
             batch.presence_penalty = self._tensor([x.presence_penalty for x in p], f32)
             batch.frequency_penalty = self._tensor([x.frequency_penalty for x in p], f32)

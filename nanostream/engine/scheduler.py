@@ -53,6 +53,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_penalized = 0  # requests whose sampling reads their own output (penalties)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -62,12 +63,14 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+        self.num_penalized += seq.params.has_penalties
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
         """End a request in any state and free its blocks at once. Idempotent: unknown ids are ignored."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return None
+        self.num_penalized -= seq.params.has_penalties
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -122,8 +125,7 @@ class Scheduler:
 
     def needs_token_values(self) -> bool:
         """Some request's sampling reads its own output tokens (penalties): no token may be pending."""
-        return any(s.params.repetition_penalty != 1 or s.params.presence_penalty or s.params.frequency_penalty
-                   for s in self.requests.values())  # fmt: skip
+        return self.num_penalized > 0
 
     def launched(self, scheduled: list[ScheduledChunk]) -> None:
         """The step is on the device: advance each sequence by its chunk, a PENDING token per sample."""
