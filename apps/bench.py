@@ -172,6 +172,7 @@ def run_nanostream(
     seed: int,
     instrument: Callable[[LLM], None] | None = None,
     after: Callable[[LLM], None] | None = None,
+    step_stats: bool = False,
 ) -> Result:
     """Warm up, then time one ``generate`` of the workload; ``instrument(llm)`` runs between the two,
     ``after(llm)`` once the timed run is over."""
@@ -189,6 +190,7 @@ def run_nanostream(
     )
     if instrument is not None:
         instrument(llm)
+    stats = StepStats(llm) if step_stats else None
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     sync(cfg.device)
@@ -202,6 +204,9 @@ def run_nanostream(
         print(f"warning: nanostream returned fewer tokens than max_tokens for {short} request(s)")
     # Count what was asked for and delivered, never more.
     counted = sum(min(g, r.max_tokens) for g, r in zip(got, workload))
+    if stats is not None:
+        print(f"steps of the timed run ({llm.engine.runner.backend.name}):\n{stats.table()}")
+        del llm.engine.step
     if after is not None:
         after(llm)
     name = "nanostream" if "attention_backend" not in engine_kwargs else f"nanostream[{llm.engine.runner.backend.name}]"
@@ -262,32 +267,86 @@ def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: int = 12) -> None:
-    """torch.profiler over ``num_steps`` engine steps at full batch (decode steady state, after 30
-    steps): the top ops by device and by host time, and a Chrome trace in ``out_dir``."""
+    """torch.profiler over engine steps, twice: ``num_steps`` steps at full batch (decode steady state,
+    after 30 steps), then 4 prefill steps of fresh prompts (steps 2-5: nothing of them is cached).
+    Prints the top ops by device and by host time and writes a gzipped Chrome trace of each into ``out_dir``."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     engine, step = llm.engine, llm.engine.step
-    with profile(activities=activities, schedule=schedule(wait=30, warmup=3, active=num_steps)) as prof:
+    vocab = min(PROMPT_VOCAB, llm.engine.vocab_size)
+    fresh = [[(t + 1) % vocab for t in r.prompt_token_ids] for r in workload]
+    decode = schedule(wait=30, warmup=3, active=num_steps)
+    runs = [
+        ("decode", [r.prompt_token_ids for r in workload], decode, 35 + num_steps),
+        ("prefill", fresh, schedule(wait=1, warmup=1, active=4), 2),
+    ]
+    for name, prompts, sched, max_tokens in runs:
+        with profile(activities=activities, schedule=sched) as prof:
 
-        def profiled_step():
+            def profiled_step(prof=prof):
+                result = step()
+                prof.step()
+                return result
+
+            engine.step = profiled_step
+            try:
+                params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=max_tokens)
+                llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                del engine.step
+        device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(f"profile of {name} steps, {len(prompts)} requests, by device time:")
+        print(prof.key_averages().table(sort_by=device_sort, row_limit=25, max_name_column_width=60))
+        print(f"{name} steps by host time:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        trace = Path(out_dir) / f"trace-{name}-{llm.engine.runner.backend.name}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+
+
+class StepStats:
+    """Wall time of every engine step of the timed run, by kind: steps that compute prompt tokens, and
+    decode-only steps by batch size. With the pipelined step, a step's wall time is the longer of its
+    host work and the device's work on the step before it."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
+        step = llm.engine.step
+
+        def timed_step():
+            start = time.perf_counter()
             result = step()
-            prof.step()
+            self.steps.append((time.perf_counter() - start, result.num_prefill_tokens, result.num_decode_tokens))
             return result
 
-        engine.step = profiled_step
-        try:
-            params = SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=30 + 3 + num_steps + 2)
-            llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=False)
-        finally:
-            del engine.step
-    device_sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"profile of {num_steps} steps, {len(workload)} requests, by device time:")
-    print(prof.key_averages().table(sort_by=device_sort, row_limit=20, max_name_column_width=60))
-    print("by host time:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(Path(out_dir) / "steps-trace.json"))
+        llm.engine.step = timed_step
+
+    def table(self) -> str:
+        groups: dict[str, list[float]] = {}
+        for seconds, prefill, decode in self.steps:
+            if prefill:
+                key = "with prefill"
+            else:
+                low = 1 << max(0, decode.bit_length() - 1)
+                key = f"decode {low}-{2 * low - 1}" if low > 1 else "decode 1"
+            groups.setdefault(key, []).append(seconds)
+        total = sum(s for s, _, _ in self.steps)
+        rows = [("steps", "count", "total s", "share", "mean ms", "median ms")]
+        for key in sorted(
+            groups, key=lambda k: (k != "with prefill", -int(k.split()[-1].split("-")[0]) if k[0] == "d" else 0)
+        ):
+            times = sorted(groups[key])
+            rows.append((key, str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
+                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * times[len(times) // 2]:.2f}"))  # fmt: skip
+        rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", ""))
+        return "\n".join(format_table(rows))
 
 
 def summary(results: list[Result]) -> str:
@@ -389,6 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", metavar="DIR", help="after each timed run, profile a dozen full-batch steps; trace into DIR"
     )
+    parser.add_argument("--step-stats", action="store_true", help="print the timed run's step wall times by batch size")
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
@@ -417,7 +477,9 @@ def main(argv: list[str] | None = None) -> None:
             kwargs = engine_kwargs if backend is None else {**engine_kwargs, "attention_backend": backend}
             try:
                 after = (lambda llm: profile_steps(llm, workload, args.profile)) if args.profile else None
-                results.append(run_nanostream(model, workload, warmup, kwargs, args.seed, after=after))
+                results.append(
+                    run_nanostream(model, workload, warmup, kwargs, args.seed, after=after, step_stats=args.step_stats)
+                )
             except ValueError as exc:  # a backend that cannot run here
                 print(f"nanostream[{backend}]: skipped: {exc}")
                 continue

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's work, as consecutive calls on one warm machine (FlashAttention-4 travels in two
 # halves, each call must start within the machine's 30 s warm window after the previous one):
-#   bash apps/gpu_suite.sh a       # wheels + FA4 half a; the Triton kernel tests (short)
-#   bash apps/gpu_suite.sh b       # FA4 half b + install + smoke; every gpu-marked test (~5 min)
+#   bash apps/gpu_suite.sh a       # wheels + FA4 half a; every gpu-marked test that needs no FA4, while
+#                                  #   three demo-model trainings (issue 6) share the GPU; the best comes back
+#   bash apps/gpu_suite.sh b       # FA4 half b + install + smoke; the FA4 tests; then the bench stage
+#   bash apps/gpu_suite.sh tests   # every gpu-marked test, one pytest process per file side by side; then
+#                                  #   the triton backend on the bench workload with step times and profiles
 #   bash apps/gpu_suite.sh bench   # apps/bench.py: flash_attn, triton and HF on the 256-request workload,
 #                                  #   then a torch.profiler table of a dozen full-batch steps
 #   bash apps/gpu_suite.sh kernels # apps/bench_kernels.py: ceilings, kernels vs FA4, decode steps, prefill
@@ -29,12 +32,46 @@ bench=(python3 apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-ran
 
 case "$stage" in
 a)
-    timeout 240 python3 -m pytest -q tests/test_kernels.py 2>&1 | tee "$out/tests-a.log" | tail -n 30 ;;
+    # Correctness tests only beside the trainings: nothing here is timed.
+    if [ -f .gpu/corpus/corpus.txt ]; then
+        for steps in ${TRAIN_STEPS:-1000 2000 3000}; do
+            timeout 520 python3 apps/train_demo_model.py --corpus .gpu/corpus/corpus.txt --out /tmp/demo-$steps \
+                --steps "$steps" --time-limit "${TRAIN_S:-330}" >"/tmp/train-$steps.log" 2>&1 &
+        done
+    fi
+    timeout 480 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/tests-a.log" | tail -n 25
+    wait
+    for f in /tmp/train-*.log; do echo "== $f"; grep -E "val loss|limit|keeping|final|Error|error" "$f" | tail -n 8; done
+    best=$(python3 - <<'PY'
+import glob, json
+logs = [(json.load(open(p))["final_val_loss"], p) for p in glob.glob("/tmp/demo-*/training_log.json")]
+print(min(logs)[1].rsplit("/", 2)[1] if logs else "")
+PY
+)
+    [ -n "$best" ] || exit 1
+    echo "best: $best"; cp /tmp/train-*.log "$out/"
+    tar -C /tmp -cf - "$best" | split -b 15m - "$out/demo-model.tar.part." && ls -la "$out" ;;
 b)
     python3 .gpu/tools/fa4-smoke.py 2>&1 | tail -n 2
-    timeout 500 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/tests-b.log" | tail -n 25 ;;
+    timeout 200 python3 -m pytest -q -m gpu tests/test_flash_attention_backend.py tests/test_gpu.py -k "fa4 or flash" \
+        2>&1 | tee "$out/tests-b.log" | tail -n 15
+    timeout 330 "${bench[@]}" --backends flash_attn,triton --step-stats --profile "$out" "$@" 2>&1 \
+        | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 80
+    echo "== summary =="; sed -n '/^engine /,$p' "$out/bench.log" | head -n 8 ;;
+tests)
+    files=(tests/test_kernels.py tests/test_sampling_kernel.py tests/test_flash_attention_backend.py tests/test_gpu.py)
+    for f in "${files[@]}"; do
+        name=$(basename "$f" .py)
+        timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$f" \
+            >"$out/$name.log" 2>&1 &
+    done
+    wait
+    for f in "${files[@]}"; do echo "== $f: $(tail -n 1 "$out/$(basename "$f" .py).log")"; done
+    grep -h -E "^(FAILED|ERROR)" "$out"/test_*.log | head -n 20
+    timeout 240 "${bench[@]}" --backends triton --step-stats --profile "$out" "$@" 2>&1 \
+        | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 60 ;;
 bench)
-    timeout 560 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 --profile "$out" "$@" 2>&1 \
+    timeout 560 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 --step-stats --profile "$out" "$@" 2>&1 \
         | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 80
     echo "== summary =="; sed -n '/^engine /,$p' "$out/bench.log" | head -n 8 ;;
 kernels)

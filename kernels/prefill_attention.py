@@ -18,7 +18,7 @@ from nanostream.kernels.attention_tile import fold_kv_tile
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes every step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2

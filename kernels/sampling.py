@@ -39,7 +39,7 @@ def _mix32(x):
     return _mix32_rounds(x ^ (x >> 16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "num_splits"])  # both follow the batch size
 def _race_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, val_ptr, idx_ptr,
     vocab, stride_row, chunk, num_splits,
@@ -93,7 +93,7 @@ def _race_kernel(
     tl.store(idx_ptr + row * num_splits + split, top_i.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _pick_split_kernel(val_ptr, idx_ptr, out_ptr, num_splits, BLOCK_S: tl.constexpr):
     # One program per row: the best of its splits' winners, lowest token id among equal scores.
     row = tl.program_id(0)
@@ -170,5 +170,7 @@ def race_sample(
     if num_splits == 1:
         return idx.view(batch)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    _pick_split_kernel[(batch,)](val, idx, out, num_splits, BLOCK_S=triton.next_power_of_2(num_splits))
+    # One tile width per vocabulary (not per batch size), so a shrinking batch compiles nothing new.
+    block_s = triton.next_power_of_2(max(num_splits, triton.cdiv(vocab, _MIN_SPLIT_TILES * _BLOCK)))
+    _pick_split_kernel[(batch,)](val, idx, out, num_splits, BLOCK_S=block_s)
     return out

@@ -21,13 +21,19 @@ def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def randn(shape, dtype, gen):
+    """Normal values made on DEVICE (a GPU case holds ~10^9 of them), seeded from the host generator ``gen``."""
+    device_gen = torch.Generator(DEVICE).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+    return torch.randn(shape, generator=device_gen, device=DEVICE).to(dtype)
+
+
 def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, gen):
     """A pool holding each sequence's context at randomly permuted blocks, and their block tables."""
     blocks = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks) + 3  # spare blocks that no table uses
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    k = randn(shape, dtype, gen)
+    v = randn(shape, dtype, gen)
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(context_lens), max(blocks) + 2, dtype=torch.int32)
     used = 0
@@ -59,7 +65,7 @@ def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=N
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     k, v, tables = paged_pool(seq_lens, block_size, hkv, head_dim, dtype, gen)
-    q = torch.randn(len(seq_lens), hq, head_dim, generator=gen).to(DEVICE, dtype)
+    q = randn((len(seq_lens), hq, head_dim), dtype, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
@@ -75,7 +81,7 @@ def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, c
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    q = torch.randn(cu[-1], hq, head_dim, generator=gen).to(DEVICE, dtype)
+    q = randn((cu[-1], hq, head_dim), dtype, gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))

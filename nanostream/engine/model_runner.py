@@ -80,7 +80,12 @@ class ModelRunner:
         self.vocab_size = self.spec.vocab_size
         cuda = self.device.type == "cuda"
         if cuda and config.torch_compile:
-            # Elementwise chains (norms, rotary, SiLU-and-mul) fuse into one kernel each.
+            # Elementwise chains (norms, rotary, SiLU-and-mul) fuse into one kernel each. The modules of a
+            # class share one compile cache, and its variants (rank, residual or not, a batch of one) pass
+            # dynamo's default limit of 8, past which calls silently run uncompiled.
+            import torch._dynamo as dynamo
+
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
             for module in self.model.modules():
                 if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
                     module.compile(dynamic=True)
