@@ -3,8 +3,8 @@
     python apps/chat_app.py [--model DIR] [--host HOST] [--port PORT] [--title T] [engine options]
     python apps/chat_app.py --engine ipc:///run/nanostream.sock      # an engine `nanostream serve` runs
 
-Without --model it starts an engine on the embedded tiny model (random weights: the replies are
-gibberish, but every part runs). Ctrl-C (or SIGTERM) stops the app, then the engine it started.
+Without --model it starts an engine on the embedded demo model (a toy trained on the King James
+Bible and fortune cookies: see nanostream/demo_model.py). Ctrl-C (or SIGTERM) stops the app, then the engine it started.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nanostream.frontends.gradio_chat import GradioChat
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny model)")
+    source.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
     source.add_argument("--engine", help="address of a running engine to use instead of starting one")
     GradioChat.add_arguments(parser)
     add_engine_args(parser)
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return GradioChat().run(args)
 
     if args.model is None:
-        from nanostream.tiny_model import default_model_dir
+        from nanostream.demo_model import default_model_dir
 
         args.model = str(default_model_dir())
     print(f"starting an engine on {args.model} ...", flush=True)

@@ -34,6 +34,12 @@ after 7 minutes at the latest and anneals the learning rate by then, so the comm
 
     python apps/train_demo_model.py --corpus .gpu/corpus/corpus.txt --out OUT_DIR --time-limit 420
 
+The shipped model (nanostream/demo-model/, its training_log.json) came from this with ``--steps 1000
+--time-limit 330`` on an H200, 2026-11-29: 1,000 steps (19 epochs) in 117 s while two other runs
+shared the GPU, validation loss 3.656 at the last step. Runs of 2,000 and 3,000 steps with the same
+seed overfit: their best validation losses were 3.744 and 3.759, both at step 800, so 1,000 is
+the default.
+
 What it does: trains a byte-level BPE tokenizer on the corpus (``tokenizers``; the special tokens
 and ChatML chat template of ``nanostream.tiny_model``), wraps a seeded fraction of the documents as
 one chat turn ("Read me Genesis chapter 1." / "Tell me a fortune." -> the document) so the chat
@@ -100,7 +106,7 @@ class TrainConfig:
     out: str = field(default="", metadata={"help": "output model directory"})
     build_corpus: str = field(default="", metadata={"help": "unpacked .deb root: write --corpus from it and exit"})
     seed: int = field(default=0, metadata={"help": "seed for the split, chat wrapping, init and batches"})
-    steps: int = field(default=3000, metadata={"help": "optimizer steps"})
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=32, metadata={"help": "sequences per step"})
     seq_len: int = field(default=1024, metadata={"help": "tokens per sequence (also max_position_embeddings)"})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})

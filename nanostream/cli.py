@@ -57,8 +57,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from nanostream.demo_model import default_model_dir
     from nanostream.llm import LLM
-    from nanostream.tiny_model import default_model_dir
 
     model = args.model or str(default_model_dir())
     llm = LLM(model, **engine_kwargs(args))
@@ -69,15 +69,15 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens if args.max_tokens is not None else defaults.max_tokens,
         seed=args.sampling_seed,
     )
-    prompts = args.prompts or ["Once upon a time", "The engine keeps a pool of"]
+    prompts = args.prompts or ["In the beginning", "The meaning of life is"]
     for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
         print(f"\n>>> {out.prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from nanostream.demo_model import default_model_dir
     from nanostream.engine.server import EngineServer
-    from nanostream.tiny_model import default_model_dir
 
     server_kwargs = config_kwargs(args, ServerConfig)
     server_kwargs.setdefault("address", os.environ.get("NANOSTREAM_ADDRESS"))
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate completions offline, in this process")
     gen.add_argument("prompts", nargs="*", help="prompts (default: two short examples)")
-    gen.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny model)")
+    gen.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
     gen.add_argument("--max-tokens", type=int, help=f"(default: {SamplingParams.max_tokens})")
     gen.add_argument("--temperature", type=float, help=f"(default: {SamplingParams.temperature}; 0 = greedy)")
     gen.add_argument("--top-p", type=float, help=f"(default: {SamplingParams.top_p})")
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = commands.add_parser("serve", help="run an engine process that clients connect to")
-    serve.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded tiny model)")
+    serve.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded demo model)")
     add_config_args(serve, ServerConfig, "server options (NANOSTREAM_ADDRESS / NANOSTREAM_AUTH_TOKEN as defaults)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

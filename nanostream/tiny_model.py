@@ -1,4 +1,4 @@
-"""A tiny random-weight model, built the same way on any machine, for tests and first runs.
+"""A tiny random-weight model, built the same way on any machine, for tests.
 
 ``make_tiny_model(DIR)`` writes a Hugging Face model directory (config.json, model.safetensors,
 tokenizer files with a chat template) using transformers' own config and model classes. The weights
@@ -119,10 +119,3 @@ def make_tiny_model(
             json.dumps({k: v for k, v in data.items() if k.endswith("token_id") or k.startswith("_")}, indent=2)
         )
     return path
-
-
-def default_model_dir() -> Path:
-    """The embedded default model, built on first use."""
-    if not (DEFAULT_DIR / "model.safetensors").exists():
-        make_tiny_model(DEFAULT_DIR)
-    return DEFAULT_DIR

@@ -18,20 +18,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+# What the embedded demo model was trained to answer (apps/train_demo_model.py wraps a quarter of its
+# documents as one of these chat turns); any prompt works with a real model.
 PROMPTS = [
-    "Tell me a story about a lighthouse keeper.",
-    "What makes a good cup of tea?",
-    "Describe the sea at night.",
-    "Write a short poem about autumn leaves.",
-    "How do bees find their way home?",
-    "Explain why the sky is blue.",
-    "Give three tips for learning a new language.",
-    "What would you pack for a week in the mountains?",
+    "Tell me a fortune.",
+    "Read me Psalms chapter 23.",
+    "Say something wise.",
+    "Read me Genesis chapter 1.",
+    "Give me a quote.",
+    "Read me Proverbs chapter 3.",
+    "Tell me something.",
+    "Read me Ecclesiastes chapter 1.",
 ]
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face model directory (default: the embedded model)")
+    parser.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
     parser.add_argument("--engine", metavar="ADDR", help="use this running engine instead of starting one")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="prompts to stream in all (default: 8)")
     parser.add_argument("--processes", type=int, default=2, help="client processes (default: 2)")
@@ -209,8 +211,8 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = None
     address = args.engine
     if address is None:
+        from nanostream.demo_model import default_model_dir
         from nanostream.engine.launch import EngineProcess
-        from nanostream.tiny_model import default_model_dir
 
         model = args.model or str(default_model_dir())
         print(f"starting an engine on {model} ...", flush=True)
