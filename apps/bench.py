@@ -279,10 +279,11 @@ def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: in
     engine, step = llm.engine, llm.engine.step
     vocab = min(PROMPT_VOCAB, llm.engine.vocab_size)
     fresh = [[(t + 1) % vocab for t in r.prompt_token_ids] for r in workload]
-    decode = schedule(wait=30, warmup=3, active=num_steps)
+    # repeat=1: one cycle; a second would start over and report only its own, partial, steps.
+    decode = schedule(wait=30, warmup=3, active=num_steps, repeat=1)
     runs = [
         ("decode", [r.prompt_token_ids for r in workload], decode, 35 + num_steps),
-        ("prefill", fresh, schedule(wait=1, warmup=1, active=4), 2),
+        ("prefill", fresh, schedule(wait=1, warmup=1, active=4, repeat=1), 2),
     ]
     for name, prompts, sched, max_tokens in runs:
         with profile(activities=activities, schedule=sched) as prof:
@@ -328,15 +329,17 @@ class StepStats:
 
         llm.engine.step = timed_step
 
+    @staticmethod
+    def group(prefill: int, decode: int) -> str:
+        if prefill:
+            return "with prefill"
+        low = 1 << max(0, decode.bit_length() - 1)
+        return f"decode {low}-{2 * low - 1}" if low > 1 else "decode 1"
+
     def table(self) -> str:
         groups: dict[str, list[float]] = {}
         for seconds, prefill, decode in self.steps:
-            if prefill:
-                key = "with prefill"
-            else:
-                low = 1 << max(0, decode.bit_length() - 1)
-                key = f"decode {low}-{2 * low - 1}" if low > 1 else "decode 1"
-            groups.setdefault(key, []).append(seconds)
+            groups.setdefault(self.group(prefill, decode), []).append(seconds)
         total = sum(s for s, _, _ in self.steps)
         rows = [("steps", "count", "total s", "share", "mean ms", "median ms")]
         for key in sorted(
@@ -346,7 +349,19 @@ class StepStats:
             rows.append((key, str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
                          f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * times[len(times) // 2]:.2f}"))  # fmt: skip
         rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", ""))
-        return "\n".join(format_table(rows))
+        return "\n".join([*format_table(rows), *self.outliers(groups)])
+
+    def outliers(self, groups: dict[str, list[float]], factor: float = 3.0, limit: int = 10) -> list[str]:
+        """The steps that took over ``factor`` times their group's median: first-use costs show here."""
+        medians = {key: sorted(times)[len(times) // 2] for key, times in groups.items()}
+        lines = []
+        for i, (seconds, prefill, decode) in enumerate(self.steps):
+            if seconds > factor * medians[self.group(prefill, decode)]:
+                lines.append(f"  step {i}: {1e3 * seconds:.1f} ms ({prefill} prefill + {decode} decode tokens)")
+        if not lines:
+            return []
+        more = f" (the first {limit} of {len(lines)})" if len(lines) > limit else ""
+        return [f"steps over {factor:g}x their group's median{more}:", *lines[:limit]]
 
 
 def summary(results: list[Result]) -> str:
