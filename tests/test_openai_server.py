@@ -107,7 +107,9 @@ def test_models_lists_the_served_model(api, model):
 
 
 def test_completions_match_offline_greedy(api, llm, model):
-    prompt, n = "Once upon a time", 12
+    # Long enough that the stream cannot arrive as one chunk on a busy CPU: a consumer that falls behind
+    # gets the tokens generated meanwhile merged into its next chunk.
+    prompt, n = "Once upon a time", 96
     ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
     args = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
 
