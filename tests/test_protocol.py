@@ -429,10 +429,13 @@ async def test_admission_errors_reach_the_stream_and_nothing_breaks(engine, llm)
 
 @pytest.mark.anyio
 async def test_duplicate_request_id_gets_an_error_and_the_first_request_runs_on(engine, llm, peers):
-    ref = offline(llm, [1, 2, 3], temperature=0, max_tokens=24, ignore_eos=True)
+    # Long enough to be still running when the second Add arrives, however busy the CPU: a finished
+    # request's id is free again (the end of this test checks that).
+    n = 200
+    ref = offline(llm, [1, 2, 3], temperature=0, max_tokens=n, ignore_eos=True)
     peer = peers(engine.address)
     assert isinstance(await peer.hello(), p.Welcome)
-    add = p.encode(p.Add("dup", [1, 2, 3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+    add = p.encode(p.Add("dup", [1, 2, 3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     await peer.send(add)
     await peer.send(add)
     outs = await peer.outputs(finished=2)
@@ -440,7 +443,7 @@ async def test_duplicate_request_id_gets_an_error_and_the_first_request_runs_on(
     assert len(errors) == 1 and "already in use" in errors[0].error
     first = [o for o in outs if o.finish_reason != "error"]
     assert [t for o in first for t in o.token_ids] == ref.token_ids
-    assert first[-1].finish_reason == "length" and first[-1].usage.completion_tokens == 24
+    assert first[-1].finish_reason == "length" and first[-1].usage.completion_tokens == n
     # Once finished, the id is free again.
     await peer.send(p.encode(p.Add("dup", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))))
     again = await peer.outputs()
