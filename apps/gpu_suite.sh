@@ -50,8 +50,8 @@ a)
 b)
     python3 .gpu/tools/fa4-smoke.py 2>&1 | tail -n 2
     gpu_tests -k "fa4 or flash"
-    TORCH_LOGS=recompiles timeout 400 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 --step-stats --profile "$out" \
-        "$@" 2>&1 | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 60
+    TORCH_LOGS=recompiles timeout 400 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 \
+        --step-stats --profile "$out" "$@" 2>&1 | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 60
     echo "== summary =="; sed -n '/^engine /,$p' "$out/bench.log" | head -n 8 ;;
 tests)
     gpu_tests
