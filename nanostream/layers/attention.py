@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +35,45 @@ class AttentionMetadata:
     max_seqlen_k: int
     cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
     seq_lens_host: list[int]
+    # The first num_decodes sequences have one query token each (rows 0..num_decodes-1): a mixed step
+    # can send them through a decode kernel, which a prefill kernel's query tiles would mostly waste.
+    num_decodes: int = 0
+    _split: tuple[AttentionMetadata, AttentionMetadata] | None = field(default=None, init=False, repr=False)
 
     @property
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step as (its leading one-token sequences, the rest), for two kernel calls; made once
+        per step (every layer asks). The rest's tensors are copies, so each starts at an allocation, as
+        kernels that assume aligned pointers need."""
+        if self._split is None:
+            n = self.num_decodes
+            assert 0 < n < len(self.seq_lens_host), f"no split of {len(self.seq_lens_host)} sequences at {n}"
+            decode = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:n],
+                cu_seqlens_q=self.cu_seqlens_q[: n + 1],
+                seq_lens=self.seq_lens[:n],
+                block_tables=self.block_tables[:n],
+                max_seqlen_q=1,
+                max_seqlen_k=max(self.seq_lens_host[:n]),
+                cu_seqlens_q_host=self.cu_seqlens_q_host[: n + 1],
+                seq_lens_host=self.seq_lens_host[:n],
+                num_decodes=n,
+            )
+            rest = AttentionMetadata(
+                slot_mapping=self.slot_mapping[n:].clone(),
+                cu_seqlens_q=self.cu_seqlens_q[n:] - n,  # row n starts at token n: one token per decode row
+                seq_lens=self.seq_lens[n:].clone(),
+                block_tables=self.block_tables[n:].clone(),
+                max_seqlen_q=self.max_seqlen_q,
+                max_seqlen_k=max(self.seq_lens_host[n:]),
+                cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
+                seq_lens_host=self.seq_lens_host[n:],
+            )
+            self._split = decode, rest
+        return self._split
 
 
 @dataclass

@@ -175,4 +175,9 @@ class FlashAttention(AttentionBackend):
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
-        return self._kernel(q, cache, meta, scale)
+        if meta.is_decode or not meta.num_decodes:
+            return self._kernel(q, cache, meta, scale)
+        # A mixed step: the decode rows through the decode path, the prompt chunks through varlen prefill.
+        decode, rest = meta.split_decodes()
+        n = meta.num_decodes
+        return torch.cat([self._kernel(q[:n], cache, decode, scale), self._kernel(q[n:], cache, rest, scale)])

@@ -39,6 +39,16 @@ class TritonAttention(AttentionBackend):
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)
         if meta.is_decode:
             return self._decode(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k)
-        return self._prefill(
-            q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
-        )
+        if not meta.num_decodes:
+            return self._prefill(
+                q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
+            )
+        # A mixed step: the decode rows through the decode kernel, the prompt chunks through the prefill one.
+        decode, rest = meta.split_decodes()
+        n, out = meta.num_decodes, torch.empty_like(q)
+        self._decode(q[:n], cache.k, cache.v, decode.block_tables, decode.seq_lens, scale, decode.max_seqlen_k, out[:n])
+        self._prefill(
+            q[n:], cache.k, cache.v, rest.cu_seqlens_q, rest.seq_lens, rest.block_tables, rest.max_seqlen_q, scale,
+            out[n:],
+        )  # fmt: skip
+        return out
