@@ -330,38 +330,36 @@ class StepStats:
         llm.engine.step = timed_step
 
     @staticmethod
-    def group(prefill: int, decode: int) -> str:
-        if prefill:
-            return "with prefill"
-        low = 1 << max(0, decode.bit_length() - 1)
-        return f"decode {low}-{2 * low - 1}" if low > 1 else "decode 1"
+    def group(prefill: int, decode: int) -> int:
+        """-1 for a step with prompt tokens, else its decode batch rounded down to a power of two."""
+        return -1 if prefill else 1 << max(0, decode.bit_length() - 1)
 
-    def table(self) -> str:
-        groups: dict[str, list[float]] = {}
+    @staticmethod
+    def label(group: int) -> str:
+        return "with prefill" if group < 0 else f"decode {group}-{2 * group - 1}" if group > 1 else "decode 1"
+
+    def table(self, factor: float = 3.0, limit: int = 10) -> str:
+        """Steps by group, then the steps over ``factor`` times their group's median (first-use costs)."""
+        groups: dict[int, list[float]] = {}
         for seconds, prefill, decode in self.steps:
             groups.setdefault(self.group(prefill, decode), []).append(seconds)
+        medians = {g: sorted(times)[len(times) // 2] for g, times in groups.items()}
         total = sum(s for s, _, _ in self.steps)
         rows = [("steps", "count", "total s", "share", "mean ms", "median ms")]
-        for key in sorted(
-            groups, key=lambda k: (k != "with prefill", -int(k.split()[-1].split("-")[0]) if k[0] == "d" else 0)
-        ):
-            times = sorted(groups[key])
-            rows.append((key, str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
-                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * times[len(times) // 2]:.2f}"))  # fmt: skip
+        for g in sorted(groups, key=lambda g: (g >= 0, -g)):  # prefill first, then falling batch size
+            times = groups[g]
+            rows.append((self.label(g), str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
+                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * medians[g]:.2f}"))  # fmt: skip
         rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", ""))
-        return "\n".join([*format_table(rows), *self.outliers(groups)])
-
-    def outliers(self, groups: dict[str, list[float]], factor: float = 3.0, limit: int = 10) -> list[str]:
-        """The steps that took over ``factor`` times their group's median: first-use costs show here."""
-        medians = {key: sorted(times)[len(times) // 2] for key, times in groups.items()}
-        lines = []
-        for i, (seconds, prefill, decode) in enumerate(self.steps):
-            if seconds > factor * medians[self.group(prefill, decode)]:
-                lines.append(f"  step {i}: {1e3 * seconds:.1f} ms ({prefill} prefill + {decode} decode tokens)")
-        if not lines:
-            return []
-        more = f" (the first {limit} of {len(lines)})" if len(lines) > limit else ""
-        return [f"steps over {factor:g}x their group's median{more}:", *lines[:limit]]
+        slow = [
+            f"  step {i}: {1e3 * seconds:.1f} ms ({prefill} prefill + {decode} decode tokens)"
+            for i, (seconds, prefill, decode) in enumerate(self.steps)
+            if seconds > factor * medians[self.group(prefill, decode)]
+        ]
+        if slow:
+            more = f" (the first {limit} of {len(slow)})" if len(slow) > limit else ""
+            slow = [f"steps over {factor:g}x their group's median{more}:", *slow[:limit]]
+        return "\n".join([*format_table(rows), *slow])
 
 
 def summary(results: list[Result]) -> str:

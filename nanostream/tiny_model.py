@@ -32,7 +32,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanostream" / "tiny-qwen3"
 
 
 def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *, nfc: bool = False):
@@ -62,21 +61,21 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *
 
 
 def make_tiny_model(
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike,
     *,
     architecture: str = "Qwen3ForCausalLM",
     seed: int = 0,
     init_std: float = 0.15,
     **config_overrides,
 ) -> Path:
-    """Write a tiny random model directory at ``path`` (default: the user cache) and return its path.
+    """Write a tiny random model directory at ``path`` and return its path.
 
     ``architecture`` is "Qwen3ForCausalLM" or "Qwen2ForCausalLM". ``init_std`` is larger than a real
     model's so that next-token distributions are peaked and greedy choices are not near-ties.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    path = Path(path) if path is not None else DEFAULT_DIR
+    path = Path(path)
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     kwargs = dict(

@@ -224,10 +224,7 @@ class Step:
     meta: AttentionMetadata
 
 
-def make_step(
-    contexts, hq, hkv, head_dim, block_size, *, seed, share_first_block=False, num_blocks=None, num_decodes=0,
-    device="cpu",
-):  # fmt: skip
+def make_step(contexts, hq, hkv, head_dim, block_size, *, seed, share_first_block=False, num_blocks=None, device="cpu"):
     """One step: sequence i has ``contexts[i] = (cached, new)``: ``cached`` tokens already in the pool,
     ``new`` tokens computed now. Blocks are scattered over a pool full of unrelated values; with
     ``share_first_block`` the last sequence reads the first one's first block (a prefix-cache hit)."""
@@ -262,7 +259,6 @@ def make_step(
         max_seqlen_k=max(seq_lens),
         cu_seqlens_q_host=cu_q,
         seq_lens_host=seq_lens,
-        num_decodes=num_decodes,
     )
     pool = (num_blocks, block_size, hkv, head_dim)
     cache = KVCache(randn(*pool), randn(*pool))
@@ -375,11 +371,12 @@ MIXED = [(699, 1), (0, 1), (255, 1), (300, 1), (0, 37), (256, 20), (250, 12)]
 @pytest.mark.parametrize("version,block_size", [(2, 256), (4, 256), (4, 16)])
 def test_mixed_step_sends_its_decode_rows_to_the_decode_path(monkeypatch, version, block_size):
     fake = _install(monkeypatch, version)
-    step = make_step(MIXED, 8, 2, 32, block_size, seed=version, num_decodes=4, device=DEVICE)
+    step = make_step(MIXED, 8, 2, 32, block_size, seed=version, device=DEVICE)
     out, ref = run_both(step, cpu_backend(version))
     assert out.shape == step.q.shape and not out.isnan().any() and rel_err(out, ref) < 1e-5
     assert [c["fn"] for c in fake.calls] == ["kvcache" if version == 2 else "batched", "varlen"]
-    decode, rest = step.meta.split_decodes()
+    assert step.meta.num_decodes == 4
+    decode, rest = step.meta.decode_split
     check_call(fake.calls[0], dataclasses.replace(step, q=step.q[:4], meta=decode), decode=True)
     check_call(fake.calls[1], dataclasses.replace(step, q=step.q[4:], meta=rest), decode=False)
     assert rest.cu_seqlens_q.tolist() == rest.cu_seqlens_q_host == [0, 37, 57, 69]
@@ -389,10 +386,9 @@ def test_mixed_step_sends_its_decode_rows_to_the_decode_path(monkeypatch, versio
 def test_triton_backend_mixed_step_matches_torch():
     from nanostream.layers.triton_attention import TritonAttention
 
-    for num_decodes in (0, 4):  # the prefill kernel for all rows, or the decode kernel for the first four
-        step = make_step(MIXED, 8, 2, 32, 16, seed=3, num_decodes=num_decodes, device=DEVICE)
-        out, ref = run_both(step, TritonAttention())
-        assert not out.isnan().any() and rel_err(out, ref) < 1e-5, num_decodes
+    step = make_step(MIXED, 8, 2, 32, 16, seed=3, device=DEVICE)  # 4 rows by the decode kernel, 3 by prefill
+    out, ref = run_both(step, TritonAttention())
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-5
 
 
 def test_first_call_checks_the_device(monkeypatch):

@@ -71,7 +71,6 @@ class DecodeGraphs:
             max_seqlen_k=self.max_model_len,  # an upper bound: the same kernels serve every replay
             cu_seqlens_q_host=list(range(bs + 1)),
             seq_lens_host=[1] * bs,
-            num_decodes=bs,
         )
 
     def can_run(self, meta: AttentionMetadata) -> bool:

@@ -210,7 +210,6 @@ class ModelRunner:
             seq_lens.append(end)
             if chunk.samples:
                 sample_rows.append(cu_q[-1] - 1)
-        num_decodes = next((i for i, c in enumerate(chunks) if c.num_new_tokens != 1), len(chunks))
         width = max(len(c.seq.block_table) for c in chunks)
         tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
         meta = AttentionMetadata(
@@ -222,7 +221,6 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             cu_seqlens_q_host=cu_q,
             seq_lens_host=seq_lens,
-            num_decodes=num_decodes,
         )
         for row, _ in pending:
             input_ids[row] = 0  # a placeholder id; the device copy below overwrites it

@@ -13,9 +13,10 @@ layers/flash_attention.py). ``get_backend`` picks one.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,45 +36,46 @@ class AttentionMetadata:
     max_seqlen_k: int
     cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
     seq_lens_host: list[int]
-    # The first num_decodes sequences have one query token each (rows 0..num_decodes-1): a mixed step
-    # can send them through a decode kernel, which a prefill kernel's query tiles would mostly waste.
-    num_decodes: int = 0
-    _split: tuple[AttentionMetadata, AttentionMetadata] | None = field(default=None, init=False, repr=False)
 
     @property
     def is_decode(self) -> bool:
         return self.max_seqlen_q == 1
 
-    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
-        """A mixed step as (its leading one-token sequences, the rest), for two kernel calls; made once
-        per step (every layer asks). The rest's tensors are copies, so each starts at an allocation, as
-        kernels that assume aligned pointers need."""
-        if self._split is None:
-            n = self.num_decodes
-            assert 0 < n < len(self.seq_lens_host), f"no split of {len(self.seq_lens_host)} sequences at {n}"
-            decode = AttentionMetadata(
-                slot_mapping=self.slot_mapping[:n],
-                cu_seqlens_q=self.cu_seqlens_q[: n + 1],
-                seq_lens=self.seq_lens[:n],
-                block_tables=self.block_tables[:n],
-                max_seqlen_q=1,
-                max_seqlen_k=max(self.seq_lens_host[:n]),
-                cu_seqlens_q_host=self.cu_seqlens_q_host[: n + 1],
-                seq_lens_host=self.seq_lens_host[:n],
-                num_decodes=n,
-            )
-            rest = AttentionMetadata(
-                slot_mapping=self.slot_mapping[n:].clone(),
-                cu_seqlens_q=self.cu_seqlens_q[n:] - n,  # row n starts at token n: one token per decode row
-                seq_lens=self.seq_lens[n:].clone(),
-                block_tables=self.block_tables[n:].clone(),
-                max_seqlen_q=self.max_seqlen_q,
-                max_seqlen_k=max(self.seq_lens_host[n:]),
-                cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
-                seq_lens_host=self.seq_lens_host[n:],
-            )
-            self._split = decode, rest
-        return self._split
+    @functools.cached_property
+    def num_decodes(self) -> int:
+        """How many leading sequences have one query token each (the scheduler puts decodes first). A mixed
+        step sends them through a decode kernel: a prefill kernel's query tiles would be mostly empty."""
+        cu = self.cu_seqlens_q_host
+        return next((i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] != 1), len(cu) - 1)
+
+    @functools.cached_property
+    def decode_split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step as (its ``num_decodes`` leading sequences, the rest), for two kernel calls; made
+        once per step, whichever layer asks first. The rest's tensors are copies, so each starts at an
+        allocation, as kernels that assume aligned pointers need."""
+        n = self.num_decodes
+        assert 0 < n < len(self.seq_lens_host), f"no split of {len(self.seq_lens_host)} sequences at {n}"
+        decode = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            cu_seqlens_q=self.cu_seqlens_q[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],
+            max_seqlen_q=1,
+            max_seqlen_k=max(self.seq_lens_host[:n]),
+            cu_seqlens_q_host=self.cu_seqlens_q_host[: n + 1],
+            seq_lens_host=self.seq_lens_host[:n],
+        )
+        rest = AttentionMetadata(
+            slot_mapping=self.slot_mapping[n:],  # K/V are stored before the split: not read
+            cu_seqlens_q=self.cu_seqlens_q[n:] - n,  # row n starts at token n: one token per decode row
+            seq_lens=self.seq_lens[n:].clone(),
+            block_tables=self.block_tables[n:].clone(),
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=max(self.seq_lens_host[n:]),
+            cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
+            seq_lens_host=self.seq_lens_host[n:],
+        )
+        return decode, rest
 
 
 @dataclass

@@ -178,6 +178,6 @@ class FlashAttention(AttentionBackend):
         if meta.is_decode or not meta.num_decodes:
             return self._kernel(q, cache, meta, scale)
         # A mixed step: the decode rows through the decode path, the prompt chunks through varlen prefill.
-        decode, rest = meta.split_decodes()
+        decode, rest = meta.decode_split
         n = meta.num_decodes
         return torch.cat([self._kernel(q[:n], cache, decode, scale), self._kernel(q[n:], cache, rest, scale)])

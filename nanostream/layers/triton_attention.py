@@ -44,7 +44,7 @@ class TritonAttention(AttentionBackend):
                 q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
             )
         # A mixed step: the decode rows through the decode kernel, the prompt chunks through the prefill one.
-        decode, rest = meta.split_decodes()
+        decode, rest = meta.decode_split
         n, out = meta.num_decodes, torch.empty_like(q)
         self._decode(q[:n], cache.k, cache.v, decode.block_tables, decode.seq_lens, scale, decode.max_seqlen_k, out[:n])
         self._prefill(
