@@ -146,13 +146,14 @@ def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
     assert_matches_hf(hf_model_cache(tmp_path), prompts, outputs, GREEDY.max_tokens)
 
 
-def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_dir, hf_model_cache):
-    # Without a GPU the kernels run under Triton's interpreter: slow, so one small mixed workload.
+def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(model_dir, hf_model_cache):
+    # Without a GPU the kernels run under Triton's interpreter: slow, so one small mixed workload. Qwen3
+    # goes through the fused prologue's QK-norm, Qwen2 through its biased projections without a norm.
     shared = random_prompts([24], seed=10)[0]
     prompts = [shared + tail for tail in random_prompts([1, 9, 40, 5], seed=11)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(
-        str(qwen3_dir),
+        str(model_dir),
         device="cuda" if torch.cuda.is_available() else "cpu",
         dtype="float32",
         attention_backend="triton",
@@ -165,7 +166,7 @@ def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(qwen3_
     outputs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.num_cached_tokens >= 24 for o in outputs[1:])
-    assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, params.max_tokens)
+    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, params.max_tokens)
 
 
 def test_repetition_penalty_matches_hf_while_other_requests_decode(qwen3_dir, hf_model_cache):

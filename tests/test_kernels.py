@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 from nanostream.kernels.decode_attention import paged_decode_attention
 from nanostream.kernels.prefill_attention import paged_prefill_attention
+from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
+from nanostream.layers.norm import RMSNorm
+from nanostream.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,7 +93,56 @@ def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, c
     return rel_err(out, reference(q, k, v, tables, cu, lens, scale))
 
 
+def run_prologue(num_tokens, heads, head_dim, norm, dtype, seed, padding=(0,)):
+    """The fused prologue against nanostream's RMSNorm and rotary modules in float64, and a plain store.
+    Returns the relative errors of q and of the stored k, and checks v and the untouched slots exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    qkv = randn((num_tokens, (hq + 2 * hkv) * head_dim), dtype, gen)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    norms = [RMSNorm(head_dim, 1e-6).to(DEVICE) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (1 + 0.3 * randn((head_dim,), torch.float32, gen)).to(dtype)
+    num_slots = num_tokens + 5
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[[p for p in padding if p < num_tokens]] = -1
+    slots = slots.to(DEVICE)
+    k_cache = torch.full((num_slots, 1, hkv, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    out = torch.full((num_tokens, hq, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    weights = (norms[0].weight, norms[1].weight, 1e-6) if norm else (None, None, 0.0)
+    q = qkv_prologue(qkv, positions, rotary.cos, rotary.sin, *weights, k_cache, v_cache, slots, hq, hkv, out=out)
+    assert q is out
+
+    ref_q, ref_k, ref_v = qkv.double().split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1)
+    ref_q, ref_k = ref_q.view(-1, hq, head_dim), ref_k.view(-1, hkv, head_dim)
+    if norm:
+        ref_q, ref_k = (n.double()(x) for n, x in zip(norms, (ref_q, ref_k)))
+    ref_q, ref_k = rotary(positions, ref_q, ref_k)
+    stored = slots >= 0
+    flat_k, flat_v = k_cache.view(num_slots, hkv, head_dim), v_cache.view(num_slots, hkv, head_dim)
+    assert torch.equal(flat_v[slots[stored]], ref_v.view(-1, hkv, head_dim)[stored].to(dtype))
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots[stored]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+    return rel_err(q, ref_q), rel_err(flat_k[slots[stored]], ref_k[stored])
+
+
 # ---- small shapes: the interpreter on CPU, compiled kernels on a GPU ------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_tokens, heads, head_dim, norm",
+    [
+        (7, (4, 2), 16, True),  # Qwen3: QK-norm
+        (5, (6, 6), 24, False),  # Qwen2: no norm; half a head (12) is not a power of two
+        (3, (8, 1), 32, True),
+    ],
+)
+def test_qkv_prologue_matches_modules(num_tokens, heads, head_dim, norm):
+    q_err, k_err = run_prologue(num_tokens, heads, head_dim, norm, torch.float32, 4, padding=(1,))
+    assert q_err < 1e-5 and k_err < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -157,6 +209,13 @@ def test_launchers_reject_bad_layouts():
         paged_decode_attention(q, cache.transpose(0, 1), cache.transpose(0, 1), tables, lens, 0.25, 16)
     with pytest.raises(AssertionError):  # cu_seqlens of the wrong length
         paged_prefill_attention(q, cache, cache, lens, lens, tables, 1, 0.25)
+    qkv, pos = torch.randn(2, 8 * 16, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    slots = pos
+    cos = torch.randn(8, 8, device=DEVICE)
+    with pytest.raises(AssertionError):  # qkv holds 4 + 2 * 2 heads, not 3 + 2 * 2
+        qkv_prologue(qkv, pos, cos, cos, None, None, 0.0, cache, cache, slots, 3, 2)
+    with pytest.raises(AssertionError):  # int32 positions
+        qkv_prologue(qkv, pos.int(), cos, cos, None, None, 0.0, cache, cache, slots, 4, 2)
 
 
 # ---- realistic sizes on a GPU ---------------------------------------------------------------------
@@ -187,3 +246,13 @@ def test_prefill_attention_gpu(dtype, bound, block_size, heads):
         q_lens = torch.randint(1, 2048, (batch,), generator=gen).tolist()
         prefixes = [0 if i % 3 == 0 else int(x) for i, x in enumerate(torch.randint(0, 3000, (batch,), generator=gen))]
         assert run_prefill(q_lens, prefixes, heads, 128, block_size, dtype, batch) < bound
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("heads, head_dim", [((16, 8), 128), ((32, 4), 128), ((14, 2), 64)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qkv_prologue_gpu(dtype, bound, heads, head_dim, norm):
+    for num_tokens in (1, 256, 8192):
+        q_err, k_err = run_prologue(num_tokens, heads, head_dim, norm, dtype, num_tokens, padding=(0, 100))
+        assert q_err < bound and k_err < bound

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +96,19 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     """Decode runs without host synchronisation, reads only tensors (``max_seqlen_k`` is an upper bound)
     and skips slot -1, so it can be captured in a CUDA graph and replayed on padded batches."""
+    prologue: Callable[..., torch.Tensor] | None = None
+    """``nanostream.kernels.qkv_prologue.qkv_prologue`` where the backend runs Triton: the model then
+    norms, rotates and stores the new tokens in one kernel, and calls ``attend`` instead of ``forward``."""
 
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D]."""
+
+    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
+        raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
 
 
 class TorchAttention(AttentionBackend):

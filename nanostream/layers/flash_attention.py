@@ -160,21 +160,26 @@ class FlashAttention(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self) -> None:
-        from nanostream.kernels.store_kv import store_kv  # here, not at the top: Triton is Linux-only
+        # here, not at the top: Triton is Linux-only
+        from nanostream.kernels.qkv_prologue import qkv_prologue
+        from nanostream.kernels.store_kv import store_kv
 
-        self._store = store_kv
+        self._store, self.prologue = store_kv, qkv_prologue
         self.version: int | None = None  # 4 or 2, once picked
         self._kernel: Kernel | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
+        return self.attend(q, cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._kernel is None:
             version, reason = _plan(q.device, cache.k.dtype, cache.block_size, q.shape[-1])
             if reason is not None:
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()
-        self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
         if meta.is_decode or not meta.num_decodes:
             return self._kernel(q, cache, meta, scale)
         # A mixed step: the decode rows through the decode path, the prompt chunks through varlen prefill.

@@ -29,14 +29,19 @@ class TritonAttention(AttentionBackend):
     def __init__(self) -> None:
         from nanostream.kernels.decode_attention import paged_decode_attention
         from nanostream.kernels.prefill_attention import paged_prefill_attention
+        from nanostream.kernels.qkv_prologue import qkv_prologue
         from nanostream.kernels.store_kv import store_kv
 
         self._store, self._decode, self._prefill = store_kv, paged_decode_attention, paged_prefill_attention
+        self.prologue = qkv_prologue
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)
+        return self.attend(q, cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode:
             return self._decode(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k)
         if not meta.num_decodes:

@@ -64,7 +64,16 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding):
         # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split(
+        qkv = self.qkv_proj(x)
+        cache = ctx.kv_caches[self.layer_idx]
+        if ctx.backend.prologue is not None:  # norm, rotary and the K/V store in one kernel
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            q = ctx.backend.prologue(
+                qkv, positions, rotary.cos, rotary.sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
+                self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            return self.o_proj(ctx.backend.attend(q, cache, ctx.attn, self.scale).flatten(1))
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1
         )
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -73,7 +82,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn, self.scale)
+        out = ctx.backend.forward(q, k, v, cache, ctx.attn, self.scale)
         return self.o_proj(out.flatten(1))
 
 
