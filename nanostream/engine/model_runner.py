@@ -142,7 +142,12 @@ class ModelRunner:
         return num_blocks
 
     def _cuda_kv_budget(self) -> int:
-        """Bytes left for KV after the worst prefill: total * utilisation - (everything else at peak)."""
+        """Bytes left for KV after the worst step: total * utilisation - (everything else at peak).
+
+        The worst step is a mixed one, as the scheduler makes them: a decode row first, then prompts
+        filling ``max_num_batched_tokens``. Running it also builds what a mixed step needs on first use
+        (FlashAttention-4 compiles its decode and prefill variants, seconds each), here and not in the
+        middle of serving."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         cfg = self.config
@@ -150,19 +155,27 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
         blocks_per_seq = -(-seq_len // self.block_size)
         self.kv_caches = self._allocate_kv(num_seqs * blocks_per_seq)
-        seqs = []
-        for i in range(num_seqs):
+
+        def warmup_chunk(i: int, num_tokens: int, num_computed: int = 0) -> ScheduledChunk:
             seq = Sequence(
                 f"warmup-{i}",
-                [0] * seq_len,
+                [0] * (num_computed + num_tokens),
                 SamplingParams(),
                 max_tokens=1,
                 sampling_seed=0,
                 stop_token_ids=frozenset(),
             )
+            seq.num_computed_tokens = num_computed
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            seqs.append(ScheduledChunk(seq, seq_len))
-        self.execute(seqs)
+            return ScheduledChunk(seq, num_tokens)
+
+        chunks = [warmup_chunk(i, seq_len) for i in range(num_seqs)]
+        if seq_len > 1 and num_seqs < cfg.max_num_seqs:
+            # The decode row reads one token of context from the last prompt's blocks (not yet written:
+            # only the kernels' shapes matter), and takes its token from the first prompt.
+            decode = warmup_chunk(num_seqs - 1, 1, num_computed=1)
+            chunks = [decode, warmup_chunk(0, seq_len - 1), *chunks[1:]]
+        self.execute(chunks)
         del self.kv_caches
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
