@@ -267,8 +267,9 @@ def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: int = 12) -> None:
-    """torch.profiler over engine steps, twice: ``num_steps`` steps at full batch (decode steady state,
-    after 30 steps), then 4 prefill steps of fresh prompts (steps 2-5: nothing of them is cached).
+    """torch.profiler over engine steps, three times: ``num_steps`` steps at full batch (decode steady
+    state, after 30 steps), the same at batch 8 (where a step's fixed costs show), then 4 prefill steps
+    of fresh prompts (steps 2-5: nothing of them is cached).
     Prints the top ops by device and by host time and writes a gzipped Chrome trace of each into ``out_dir``."""
     import gzip
     import shutil
@@ -283,6 +284,7 @@ def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: in
     decode = schedule(wait=30, warmup=3, active=num_steps, repeat=1)
     runs = [
         ("decode", [r.prompt_token_ids for r in workload], decode, 35 + num_steps),
+        ("decode-small", [r.prompt_token_ids for r in workload[:8]], decode, 35 + num_steps),
         ("prefill", fresh, schedule(wait=1, warmup=1, active=4, repeat=1), 2),
     ]
     for name, prompts, sched, max_tokens in runs:

@@ -52,6 +52,8 @@ b)
     gpu_tests -k "fa4 or flash"
     TORCH_LOGS=recompiles timeout 400 "${bench[@]}" --backends flash_attn,triton --hf --hf-batch-size 256 \
         --step-stats --profile "$out" "$@" 2>&1 | grep -v "Loading weights" | tee "$out/bench.log" | tail -n 60
+    # At most 8 files come back: the traces travel as one.
+    tar -C "$out" -cf "$out/traces.tar" $(cd "$out" && ls trace-*.json.gz) && rm -f "$out"/trace-*.json.gz
     echo "== summary =="; sed -n '/^engine /,$p' "$out/bench.log" | head -n 8 ;;
 tests)
     gpu_tests
