@@ -75,7 +75,7 @@ def _race_kernel(
     # A while loop: the interpreter (numpy 2) cannot run a for loop over runtime bounds.
     while off < end:
         cols = off + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf"))
+        x = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)  # exact from 16-bit
         bits = _mix32(key ^ _mix32(cols.to(tl.uint32) + 0x632BE5AB))
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
         # tl.log is libdevice's logf (~1 ulp), which log(u) ~ -6e-8 near u = 1, the winning draws, needs.
@@ -131,7 +131,8 @@ def race_sample(
 ) -> torch.Tensor:
     """Token ids [B] int64: argmax(logits) where ``temperature`` is 0, else a draw from softmax(logits / T).
 
-    logits: [B, V] float32, rows with unit stride (a row-strided view is fine); -inf masks a token, and
+    logits: [B, V] float32, bfloat16 or float16 (read as the float32 of the same value), rows with unit
+    stride (a row-strided view is fine); -inf masks a token, and
     every row needs a finite entry. temperature: [B] float32. seeds, steps: [B] int64, the counters of
     ``exponential_noise``: a row's draw depends only on its logits, temperature, seed and step. Ties go
     to the lowest token id. ``num_splits`` (tests) overrides how many programs share a row.
@@ -145,8 +146,8 @@ def race_sample(
         raise ValueError(
             f"race_sample: logits must be on a CUDA device (or run under TRITON_INTERPRET=1), got {logits.device}"
         )
-    if logits.dtype != torch.float32:
-        raise ValueError(f"race_sample: logits must be torch.float32, got {logits.dtype}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"race_sample: logits must be torch.float32, bfloat16 or float16, got {logits.dtype}")
     if vocab == 0 or (batch > 1 and logits.stride(0) < vocab) or (vocab > 1 and logits.stride(1) != 1):
         raise ValueError(f"race_sample: logits rows must be contiguous, got strides {logits.stride()}")
     _check("temperature", temperature, torch.float32, (batch,), logits.device)

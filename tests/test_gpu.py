@@ -52,7 +52,7 @@ def greedy_with_logits(llm, prompt, steps):
 
     def record(hidden):
         logits = compute_logits(hidden)
-        seen.append(logits[0].clone())
+        seen.append(logits[0].float())
         return logits
 
     llm.engine.runner.model.compute_logits = record

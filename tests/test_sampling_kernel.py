@@ -164,6 +164,20 @@ def test_sample_with_the_kernel_matches_the_torch_path():
             assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.top_ids, want.top_ids)
 
 
+def test_half_precision_logits_sample_as_their_float32_values():
+    # The model hands the sampler its own dtype; the kernel reads 16-bit logits without a float32 copy.
+    vocab = 3000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(8)) * 4
+    rows = [{"temperature": t, "seed": i, "step": 3 * i} for i, t in enumerate([0.0, 0.5, 1.0, 1.5, 0.7, 0.0])]
+    batch = on_device(make_batch(rows, vocab))
+    for dtype in (torch.bfloat16, torch.float16):
+        low = logits.to(dtype).to(DEVICE)
+        want = sample(low.float(), batch, use_kernel=False).token_ids
+        assert torch.equal(sample(low, batch, use_kernel=True).token_ids, want)
+        with_logprobs = on_device(make_batch(rows, vocab, max_logprobs=1))  # the float32 path
+        assert torch.equal(sample(low, with_logprobs, use_kernel=True).token_ids, want)
+
+
 # -- launcher checks --------------------------------------------------------------------------------------------------
 
 
@@ -179,7 +193,7 @@ def test_launcher_accepts_a_row_strided_view():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: {**a, "logits": a["logits"].half()}, "logits must be torch.float32"),
+        (lambda a: {**a, "logits": a["logits"].double()}, "logits must be torch.float32, bfloat16 or float16"),
         (lambda a: {**a, "logits": a["logits"][0]}, r"logits must be \[B, V\]"),
         (lambda a: {**a, "logits": a["logits"].t().contiguous().t()}, "rows must be contiguous"),
         (lambda a: {**a, "logits": a["logits"][:, :0]}, "rows must be contiguous"),

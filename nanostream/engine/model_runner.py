@@ -256,7 +256,7 @@ class ModelRunner:
             return InFlight([], {}, None)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[self._tensor(sample_rows, torch.int64)]
-        logits = self.model.compute_logits(hidden)  # [B, V] float32
+        logits = self.model.compute_logits(hidden)  # [B, V], the model's dtype
         out = sample(logits, self.sampling_batch(seqs))
         step = InFlight(seqs, {s.request_id: i for i, s in enumerate(seqs)}, out, out)
         if self.device.type == "cuda":
