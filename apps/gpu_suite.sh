@@ -46,7 +46,7 @@ gpu_tests() {
 
 case "$stage" in
 a)
-    gpu_tests ;;
+    gpu_tests "$@" ;;
 b)
     python3 .gpu/tools/fa4-smoke.py 2>&1 | tail -n 2
     gpu_tests -k "fa4 or flash"
