@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from nanostream.kernels.decode_attention import paged_decode_attention
+from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 from nanostream.kernels.prefill_attention import paged_prefill_attention
 from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RotaryEmbedding
+from nanostream.models.qwen import SiluAndMul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -129,7 +131,33 @@ def run_prologue(num_tokens, heads, head_dim, norm, dtype, seed, padding=(0,)):
     return rel_err(q, ref_q), rel_err(flat_k[slots[stored]], ref_k[stored])
 
 
+def run_norm_act(num_tokens, hidden, intermediate, dtype, seed):
+    """rms_norm (with and without the residual) and silu_and_mul against the modules in float64;
+    relative errors of (norm, norm with residual, new residual, SiLU-and-mul)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = randn((num_tokens, hidden), dtype, gen), randn((num_tokens, hidden), dtype, gen)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE)
+    norm.weight.data = (1 + 0.3 * randn((hidden,), torch.float32, gen)).to(dtype)
+    ref = norm.double()
+    plain = rms_norm(x, norm.weight.to(dtype), 1e-6)
+    fused, new_residual = rms_norm(x, norm.weight.to(dtype), 1e-6, residual)
+    ref_fused, ref_residual = ref(x.double(), residual.double())
+    gate_up = randn((num_tokens, 2 * intermediate), dtype, gen)
+    return (
+        rel_err(plain, ref(x.double())),
+        rel_err(fused, ref_fused),
+        rel_err(new_residual, ref_residual),
+        rel_err(silu_and_mul(gate_up), SiluAndMul()(gate_up.double())),
+    )
+
+
 # ---- small shapes: the interpreter on CPU, compiled kernels on a GPU ------------------------------
+
+
+@pytest.mark.parametrize("num_tokens, hidden, intermediate", [(5, 64, 96), (3, 48, 1500)])
+def test_norm_and_silu_kernels_match_modules(num_tokens, hidden, intermediate):
+    # 48: a row narrower than its power-of-two tile; 1500: SiLU rows over two tiles, the last partial
+    assert max(run_norm_act(num_tokens, hidden, intermediate, torch.float32, 5)) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -256,3 +284,11 @@ def test_qkv_prologue_gpu(dtype, bound, heads, head_dim, norm):
     for num_tokens in (1, 256, 8192):
         q_err, k_err = run_prologue(num_tokens, heads, head_dim, norm, dtype, num_tokens, padding=(1, 100))
         assert q_err < bound and k_err < bound
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("hidden, intermediate", [(1024, 3072), (4096, 12288), (2560, 9728)])
+def test_norm_and_silu_kernels_gpu(dtype, bound, hidden, intermediate):
+    for num_tokens in (1, 256, 8192):
+        assert max(run_norm_act(num_tokens, hidden, intermediate, dtype, num_tokens)) < bound

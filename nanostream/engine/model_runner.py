@@ -79,6 +79,23 @@ class ModelRunner:
         self.spec = self.model.spec
         self.vocab_size = self.spec.vocab_size
         cuda = self.device.type == "cuda"
+        self.backend = get_backend(
+            config.attention_backend,
+            self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            head_dim=self.spec.head_dim,
+        )
+        if self.backend.prologue is not None:
+            # Triton runs here: the norms and SiLU-and-mul take its kernels too (one launch each, where a
+            # compiled module's call costs its guards on the host; the model runs eagerly at prefill).
+            from nanostream.kernels.norm_act import rms_norm, silu_and_mul
+
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.kernel = rms_norm
+                elif isinstance(module, SiluAndMul):
+                    module.kernel = silu_and_mul
         if cuda and config.torch_compile:
             # Elementwise chains (norms, rotary, SiLU-and-mul) fuse into one kernel each. The modules of a
             # class share one compile cache, and its variants (rank, residual or not, a batch of one) pass
@@ -87,15 +104,8 @@ class ModelRunner:
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
             for module in self.model.modules():
-                if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
+                if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul) and module.kernel is None:
                     module.compile(dynamic=True)
-        self.backend = get_backend(
-            config.attention_backend,
-            self.device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            head_dim=self.spec.head_dim,
-        )
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)

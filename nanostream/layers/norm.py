@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -11,6 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
+        self.kernel: Callable[..., Any] | None = None  # set by the runner: nanostream.kernels.norm_act.rms_norm
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32, result cast back before the weight (as Hugging Face's Qwen models do).
@@ -22,6 +26,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

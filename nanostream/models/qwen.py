@@ -7,6 +7,7 @@ names follow the Hugging Face checkpoints, except the fused ``qkv_proj`` and ``g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,16 @@ class Attention(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up of a fused [T, 2 * I] projection (a module so the runner can compile it)."""
+    """silu(gate) * up of a fused [T, 2 * I] projection (a module so the runner can compile it, or give it
+    ``kernel``: nanostream.kernels.norm_act.silu_and_mul)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up
 

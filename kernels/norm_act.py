@@ -1,0 +1,90 @@
+"""RMSNorm (with the residual add before it) and SiLU-and-mul, one Triton kernel each.
+
+They do what ``nanostream.layers.norm.RMSNorm`` and ``nanostream.models.qwen.SiluAndMul`` do, with
+the same roundings as the compiled modules, and cost a kernel launch on the host where a call into a
+torch.compile'd module costs its guards and wrappers: at prefill, where the model runs eagerly, three
+such calls per layer made a step wait on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, eps,
+    SIZE: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    # One program per row: s = x (+ residual), stored as the new residual; out = w * (s / rms(s)).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    r = tl.rsqrt(tl.sum(xf * xf, 0) / SIZE + eps)
+    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+    # As the module: the normalised value is cast to the model dtype before the weight.
+    tl.store(out_ptr + row * stride_o + offs, (w * (xf * r).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward``: ``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``.
+
+    x, residual: [..., H] with unit stride in the last dimension; weight: [H]. Results are new tensors.
+    """
+    size = x.shape[-1]
+    assert weight.shape == (size,), (weight.shape, x.shape)
+    assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), (residual.shape, x.shape)
+    x2 = x.reshape(-1, size)
+    assert x2.stride(-1) == 1, f"rows must be contiguous, got strides {x.stride()}"
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res = res_out = out  # unread and unwritten without a residual
+    if residual is not None:
+        res = residual.reshape(-1, size)
+        assert res.stride(-1) == 1, f"residual rows must be contiguous, got strides {residual.stride()}"
+        res_out = torch.empty_like(out)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res, weight, out, res_out,
+            x2.stride(0), res.stride(0), out.stride(0), res_out.stride(0), eps,
+            SIZE=size, BLOCK=triton.next_power_of_2(size), RESIDUAL=residual is not None,
+            num_warps=min(max(triton.next_power_of_2(size) // 256, 1), 16),
+        )  # fmt: skip
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row, tile): out[row, tile] = silu(gate) * up, gate and up the two halves of x's row.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + SIZE + offs, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiluAndMul.forward``: silu(gate) * up of x = [gate | up], [T, 2 I] with contiguous rows; [T, I]."""
+    assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, (x.shape, x.stride())
+    size = x.shape[1] // 2
+    out = torch.empty(x.shape[0], size, dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(size), 1024)
+    if x.shape[0]:
+        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(size, block))](
+            x, out, x.stride(0), out.stride(0), SIZE=size, BLOCK=block
+        )
+    return out
