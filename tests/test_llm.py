@@ -149,3 +149,37 @@ def test_abort_in_every_state_returns_every_block(qwen3_dir):
     assert engine.block_manager.num_free_blocks == total
     assert not engine.has_unfinished()
     assert engine.step().deltas == []
+
+
+def test_step_inputs_travel_as_one_buffer_per_dtype(qwen3_dir):
+    # prepare() sends a step's int64 and int32 inputs in one copy each; every tensor is a view that
+    # starts on a 16-element boundary (kernels may assume aligned pointers) and holds its own values.
+    from nanostream.engine.scheduler import ScheduledChunk
+    from nanostream.engine.sequence import Sequence
+
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=4)
+    runner = llm.engine.runner
+
+    def chunk(name, num_tokens, computed, blocks):
+        seq = Sequence(
+            name,
+            list(range(3, 3 + num_tokens)),
+            SamplingParams(),
+            max_tokens=1,
+            sampling_seed=0,
+            stop_token_ids=frozenset(),
+        )
+        seq.num_computed_tokens, seq.block_table = computed, blocks
+        return ScheduledChunk(seq, num_tokens - computed)
+
+    chunks = [chunk("decode", 6, 5, [7, 2]), chunk("prefill", 9, 2, [4, 0, 5])]
+    ids, positions, meta, sample_rows = runner.prepare(chunks)
+    assert ids.tolist() == [8, *range(5, 12)] and positions.tolist() == [5, *range(2, 9)]
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, *range(0, 4), 5 * 4]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 8] and meta.seq_lens.tolist() == [6, 9]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 5]] and sample_rows == [0, 7]
+    int64 = (ids, positions, meta.slot_mapping)
+    int32 = (meta.cu_seqlens_q, meta.seq_lens, meta.block_tables)
+    for group in (int64, int32):
+        assert len({t.untyped_storage().data_ptr() for t in group}) == 1
+        assert all(t.storage_offset() % 16 == 0 for t in group)

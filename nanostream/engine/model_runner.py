@@ -204,6 +204,22 @@ class ModelRunner:
         # Through pinned memory, so the copy is asynchronous: the step's only sync is reading the samples.
         return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
+    def _tensors(self, dtype: torch.dtype, *parts: list) -> list[torch.Tensor]:
+        """Flat host lists as device tensors of one dtype, sent in one copy; each a view of it that starts
+        on a 16-element boundary (64 bytes or more), as kernels that assume aligned pointers need."""
+        flat: list = []
+        sizes = []
+        for part in parts:
+            sizes.append(len(part))
+            flat += part
+            flat += [0] * (-len(part) % 16)
+        buffer = self._tensor(flat, dtype)
+        views, offset = [], 0
+        for n in sizes:
+            views.append(buffer[offset : offset + n])
+            offset += n + (-n % 16)
+        return views
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
 
@@ -234,24 +250,31 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(cu_q[-1] - 1)
         width = max(len(c.seq.block_table) for c in chunks)
-        tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
+        tables: list[int] = []
+        for c in chunks:
+            tables += c.seq.block_table
+            tables += [0] * (width - len(c.seq.block_table))
+        for row, _ in pending:
+            input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
+        rows, prev_rows = (list(x) for x in zip(*pending)) if pending else ([], [])
+        # Two copies up, one per dtype, instead of one per tensor.
+        ids, pos, slot_mapping, rows_t, prev_rows_t = self._tensors(
+            torch.int64, input_ids, positions, slots, rows, prev_rows
+        )
+        cu_seqlens_q, seq_lens_t, block_tables = self._tensors(torch.int32, cu_q, seq_lens, tables)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.view(len(chunks), width),
             max_seqlen_q=max(c.num_new_tokens for c in chunks),
             max_seqlen_k=max(seq_lens),
             cu_seqlens_q_host=cu_q,
             seq_lens_host=seq_lens,
         )
-        for row, _ in pending:
-            input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
-        ids = self._tensor(input_ids, torch.int64)
         if pending:  # on the device, after the step in flight has sampled them: no host round trip
-            rows, prev_rows = zip(*pending)
-            ids[self._tensor(rows, torch.int64)] = prev.out.token_ids[self._tensor(prev_rows, torch.int64)]
-        return ids, self._tensor(positions, torch.int64), meta, sample_rows
+            ids[rows_t] = prev.out.token_ids[prev_rows_t]
+        return ids, pos, meta, sample_rows
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk], prev: InFlight | None = None) -> InFlight:
@@ -308,13 +331,22 @@ class ModelRunner:
         p = [s.params for s in seqs]
         greedy = [x.greedy for x in p]
         f32, i64 = torch.float32, torch.int64
+        temperature, top_p, min_p = self._tensors(
+            f32, [0.0 if g else x.temperature for g, x in zip(greedy, p)], [x.top_p for x in p], [x.min_p for x in p]
+        )
+        top_k, seeds, steps = self._tensors(
+            i64,
+            [x.top_k if x.top_k > 0 else self.vocab_size for x in p],
+            [s.sampling_seed for s in seqs],
+            [s.num_output_tokens for s in seqs],
+        )
         batch = SamplingBatch(
-            temperature=self._tensor([0.0 if g else x.temperature for g, x in zip(greedy, p)], f32),
-            top_k=self._tensor([x.top_k if x.top_k > 0 else self.vocab_size for x in p], i64),
-            top_p=self._tensor([x.top_p for x in p], f32),
-            min_p=self._tensor([x.min_p for x in p], f32),
-            seeds=self._tensor([s.sampling_seed for s in seqs], i64),
-            steps=self._tensor([s.num_output_tokens for s in seqs], i64),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            steps=steps,
             all_greedy=all(greedy),
             needs_top_k_p=any(x.top_k > 0 or x.top_p < 1 for x in p),
             needs_min_p=any(x.min_p > 0 for x in p),
