@@ -88,7 +88,8 @@ class ModelRunner:
         )
         if self.backend.prologue is not None:
             # Triton runs here: the norms and SiLU-and-mul take its kernels too (one launch each, where a
-            # compiled module's call costs its guards on the host; the model runs eagerly at prefill).
+            # compiled module's call costs its guards on the host; the model runs eagerly at prefill), and
+            # the prologue does the rotary embedding: nothing is left for torch.compile.
             from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 
             for module in self.model.modules():
@@ -96,7 +97,7 @@ class ModelRunner:
                     module.kernel = rms_norm
                 elif isinstance(module, SiluAndMul):
                     module.kernel = silu_and_mul
-        if cuda and config.torch_compile:
+        elif cuda and config.torch_compile:
             # Elementwise chains (norms, rotary, SiLU-and-mul) fuse into one kernel each. The modules of a
             # class share one compile cache, and its variants (rank, residual or not, a batch of one) pass
             # dynamo's default limit of 8, past which calls silently run uncompiled.
@@ -104,7 +105,7 @@ class ModelRunner:
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
             for module in self.model.modules():
-                if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul) and module.kernel is None:
+                if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
                     module.compile(dynamic=True)
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.num_kv_blocks = self._num_kv_blocks()
