@@ -1,9 +1,9 @@
 """RMSNorm (with the residual add before it) and SiLU-and-mul, one Triton kernel each.
 
 They do what ``nanostream.layers.norm.RMSNorm`` and ``nanostream.models.qwen.SiluAndMul`` do, with
-the same roundings as the compiled modules, and cost a kernel launch on the host where a call into a
-torch.compile'd module costs its guards and wrappers: at prefill, where the model runs eagerly, three
-such calls per layer made a step wait on the host.
+the roundings of those modules run eagerly (Hugging Face's order of operations). Each costs a kernel
+launch on the host, where a call into a torch.compile'd module costs its guards and wrappers: at
+prefill, where the model runs eagerly, three such calls per layer made a step wait on the host.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr,
     mask = offs < SIZE
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + SIZE + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    # As eager torch: silu(gate) is rounded to the model dtype before the product.
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

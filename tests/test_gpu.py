@@ -69,7 +69,8 @@ def test_bfloat16_backends_agree_with_torch_backend(qwen3_dir, backend):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 37, 300, 1000)]
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048, gpu_memory_utilization=0.3)
-    reference = LLM(str(qwen3_dir), attention_backend="torch", enforce_eager=True, **common)
+    # The reference runs every op eagerly, in Hugging Face's order and roundings.
+    reference = LLM(str(qwen3_dir), attention_backend="torch", enforce_eager=True, torch_compile=False, **common)
     expected = [greedy_with_logits(reference, p, 32) for p in prompts]
     del reference
     torch.cuda.empty_cache()
