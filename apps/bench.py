@@ -205,6 +205,7 @@ def run_nanostream(
     # Count what was asked for and delivered, never more.
     counted = sum(min(g, r.max_tokens) for g, r in zip(got, workload))
     if stats is not None:
+        stats.close()
         print(f"steps of the timed run ({llm.engine.runner.backend.name}):\n{stats.table()}")
         del llm.engine.step
     if after is not None:
@@ -330,6 +331,40 @@ class StepStats:
             return result
 
         llm.engine.step = timed_step
+        # Other causes of a slow step: the collector's pauses, and the CUDA allocator freeing its cache
+        # to retry an allocation (a device sync and cudaFree calls).
+        self.pauses: list[tuple[int, int, float]] = []  # (step, generation, seconds) of collections over 5 ms
+        self._gc_start = 0.0
+
+        def collected(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+            elif (seconds := time.perf_counter() - self._gc_start) > 5e-3:
+                self.pauses.append((len(self.steps), info["generation"], seconds))
+
+        self._gc_callback = collected
+        gc.callbacks.append(collected)
+        self._cuda = llm.config.device.startswith("cuda")
+        self._retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self._cuda else 0
+        # Triton kernels compiled inside the timed run (variants the warm-up did not reach), by step.
+        self.compiles: list[tuple[int, str]] = []
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        self._knobs = knobs
+
+        def compiled(*, repr: str, **_: object) -> None:
+            self.compiles.append((len(self.steps), repr))
+
+        knobs.runtime.jit_post_compile_hook = compiled
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc_callback)
+        if self._cuda:
+            self._retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - self._retries
+        if hasattr(self, "_knobs"):
+            self._knobs.runtime.jit_post_compile_hook = None
 
     @staticmethod
     def group(prefill: int, decode: int) -> int:
@@ -361,7 +396,15 @@ class StepStats:
         if slow:
             more = f" (the first {limit} of {len(slow)})" if len(slow) > limit else ""
             slow = [f"steps over {factor:g}x their group's median{more}:", *slow[:limit]]
-        return "\n".join([*format_table(rows), *slow])
+        if self.pauses:
+            slow.append(f"collector pauses over 5 ms ({len(self.pauses)}):")
+            slow += [f"  step {i}: generation {g}, {1e3 * t:.1f} ms" for i, g, t in self.pauses[:limit]]
+        if self._cuda:
+            slow.append(f"CUDA allocator retries (cache freed to retry an allocation): {self._retries}")
+        compiles = [f"  step {i}: {what[:240]}" for i, what in self.compiles]
+        if compiles:
+            compiles.insert(0, f"Triton kernels compiled during the timed run ({len(compiles)}):")
+        return "\n".join([*format_table(rows), *slow, *compiles[: limit + 1]])
 
 
 def summary(results: list[Result]) -> str:
