@@ -77,7 +77,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
-    from nanostream.engine.server import EngineServer
+    from nanostream.engine.server import EngineFailure, EngineServer
 
     server_kwargs = config_kwargs(args, ServerConfig)
     server_kwargs.setdefault("address", os.environ.get("NANOSTREAM_ADDRESS"))
@@ -90,7 +90,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"nanostream engine ready at {address}", flush=True)
         print(f"  clients: AsyncClient({address!r}) or NANOSTREAM_ADDRESS={address}", flush=True)
 
-    server.serve_forever(ready)
+    try:
+        server.serve_forever(ready)
+    except EngineFailure as exc:  # the clients were told; the process says so and exits non-zero
+        print(f"nanostream serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,13 +9,19 @@ request's new tokens into that request's mailbox, so a slow consumer never block
 reader or other streams, and holds at most its own request's tokens. Text is decoded here, in the
 client, incrementally (see ``IncrementalDetokenizer``). Leaving a stream early (break, cancel,
 ``aclose()``) aborts its request in the engine at once.
+
+The client stays registered on its own: heartbeats flow from the hello on (the tokenizer loads
+meanwhile). If the connection breaks, the engine drops the client or restarts at the same
+address, the open streams end with ``ConnectionLostError`` and the client says hello again as soon
+as an engine answers there; new requests then run. ``EngineDeadError`` comes ``timeout`` seconds
+after the engine's last message (a few milliseconds later at most) when it hangs, and at once when
+its connection closes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import tempfile
@@ -29,9 +35,16 @@ import anyio
 import anyio.to_thread
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
-from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, ProtocolError
+from nanostream.errors import (
+    ClientClosedError,
+    ConnectionLostError,
+    EngineDeadError,
+    InvalidRequestError,
+    ProtocolError,
+)
 from nanostream.sampling_params import SamplingParams
 from nanostream.stream import Completion, Stream, _Mailbox
 
@@ -45,15 +58,14 @@ _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanos
 _IMPORT_LOCK = threading.Lock()
 
 
-def _load_tokenizer(files: dict[str, bytes]) -> Any:
-    """Load the engine's tokenizer from its files, kept in a cache directory keyed by their content."""
+def _load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
+    """Load the engine's tokenizer from its files, kept in a cache directory named by their digest."""
     with _IMPORT_LOCK:  # transformers' lazy first import is not thread-safe (clients in several threads)
         from transformers import AutoTokenizer
 
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    path = _CACHE / digest.hexdigest()[:32]
+    if not files or not all(c in "0123456789abcdef" for c in digest):
+        raise ProtocolError("the engine's welcome names no usable tokenizer")
+    path = _CACHE / digest
     if not path.is_dir():
         _CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=_CACHE))
@@ -68,8 +80,9 @@ class AsyncClient:
     """A connection to one engine process.
 
     ``address`` defaults to the ``NANOSTREAM_ADDRESS`` environment variable, ``auth_token`` to
-    ``NANOSTREAM_AUTH_TOKEN``. ``timeout`` bounds connecting and how long the engine may stay
-    silent before every open stream raises ``EngineDeadError``.
+    ``NANOSTREAM_AUTH_TOKEN``. ``timeout`` bounds connecting, how long a request waits for the client
+    to register again after a lost connection, and how long the engine may stay silent before every
+    open stream raises ``EngineDeadError``.
 
     Example::
 
@@ -85,16 +98,19 @@ class AsyncClient:
             raise ValueError(f"no engine address: pass AsyncClient(address) or set {ADDRESS_ENV}")
         if not address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"engine address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.address = address
         self.timeout = timeout
         self.auth_token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
         self.client_id = uuid.uuid4().hex[:16]
-        self._state = "new"  # new -> open -> closed
+        self._state = "new"  # new -> connecting -> open -> closing -> closed
         self._mailboxes: dict[str, _Mailbox] = {}
         self._stats_waiters: list[tuple[anyio.Event, list]] = []
-        self._dead: BaseException | None = None
+        self._dead: BaseException | None = None  # fatal: the engine refused this client for good
+        self._lost: BaseException | None = None  # why the client is not registered now (None: it is)
+        self._registered = anyio.Event()
+        self._connected = False  # a connection to the engine's address is up
         self._welcome: p.Welcome | None = None
         self.tokenizer: Any = None
 
@@ -118,11 +134,17 @@ class AsyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for an engine that is not there
+        self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
         try:
-            await self._sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, self.auth_token, os.getpid())))
             with anyio.fail_after(self.timeout):
-                reply = p.decode_engine_message(await self._sock.recv())
+                await self._sock.send(self._hello())
+                while True:
+                    reply = p.decode_engine_message(await self._sock.recv())
+                    if not isinstance(reply, p.Heartbeat):
+                        break
         except TimeoutError:
             self._teardown()
             raise EngineDeadError(
@@ -131,16 +153,29 @@ class AsyncClient:
         except BaseException:
             self._teardown()
             raise
-        if isinstance(reply, p.Error) or not isinstance(reply, p.Welcome):
+        if not isinstance(reply, p.Welcome):
             self._teardown()
             raise ProtocolError(getattr(reply, "message", f"unexpected reply {type(reply).__name__} to hello"))
-        self._welcome = reply
-        self.tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, reply.tokenizer_files)
-        self._last_heard = time.monotonic()
+        self._welcome, self._connected, self._last_heard = reply, True, time.monotonic()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
+        # Heartbeats flow from here on, so however long the tokenizer takes to load, the engine
+        # never takes this client for a silent one.
         self._tg.start_soon(self._read_loop)
         self._tg.start_soon(self._heartbeat_loop)
+        self._tg.start_soon(self._monitor_loop)
+        try:
+            self.tokenizer = await anyio.to_thread.run_sync(
+                _load_tokenizer, reply.tokenizer_digest, reply.tokenizer_files
+            )
+        except BaseException:
+            self._state = "closing"
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._teardown()
+            raise
+        reply.tokenizer_files = {}  # loaded: keep no second copy
+        self._registered.set()
         self._state = "open"
 
     async def close(self) -> None:
@@ -149,8 +184,7 @@ class AsyncClient:
             self._state = "closed"
             return
         self._state = "closing"
-        with anyio.move_on_after(1):
-            await self._sock.send(p.encode(p.Bye()))
+        self._send_now(p.encode(p.Bye()))
         self._fail_all(ClientClosedError("the AsyncClient was closed"))
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
@@ -158,6 +192,8 @@ class AsyncClient:
 
     def _teardown(self) -> None:
         self._state = "closed"
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -166,6 +202,38 @@ class AsyncClient:
             raise EngineDeadError(str(self._dead))
         if self._state != "open":
             raise ClientClosedError("the AsyncClient is not connected: use `async with AsyncClient(...) as client`")
+
+    def _send_now(self, frame: bytes) -> bool:
+        """Send without waiting; False when no connection took the frame (IMMEDIATE: nothing is queued
+        for an engine that is not there). An asyncio socket reports that in the send's future."""
+        future = self._sock.send(frame, flags=zmq.NOBLOCK)
+        if future.done():
+            return future.exception() is None
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
+        return True
+
+    def _check_reachable(self) -> None:
+        """Raise at once, rather than when the request is sent, if no engine is even connected."""
+        self._check_open()
+        if self._lost is not None and not self._connected:
+            raise EngineDeadError(f"not connected to an engine at {self.address} ({self._lost}); retry later")
+
+    def _hello(self) -> bytes:
+        digest = self._welcome.tokenizer_digest if self._welcome is not None else None
+        return p.encode(p.Hello(p.PROTOCOL_VERSION, self.auth_token, os.getpid(), digest))
+
+    async def _ready(self) -> None:
+        """Return once the client is registered with the engine; raise EngineDeadError if it is not
+        within ``timeout`` (at once when no engine is even connected)."""
+        self._check_open()
+        if self._registered.is_set():
+            return
+        if self._connected:
+            with anyio.move_on_after(self.timeout):
+                await self._registered.wait()
+        self._check_open()
+        if not self._registered.is_set():
+            raise EngineDeadError(f"not connected to an engine at {self.address} ({self._lost}); retry later")
 
     # ---- what the engine told us -----------------------------------------------------------------
 
@@ -192,54 +260,103 @@ class AsyncClient:
     # ---- background tasks ------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        try:
-            while True:
-                frame = await self._sock.recv()
-                self._last_heard = time.monotonic()
-                try:
-                    message = p.decode_engine_message(frame)
-                except ProtocolError as exc:
-                    log.warning("ignoring a message from the engine: %s", exc)
-                    continue
-                if isinstance(message, p.Outputs):
-                    for out in message.outputs:
-                        mailbox = self._mailboxes.get(out.request_id)
-                        if mailbox is not None:
-                            mailbox.put(out)
-                elif isinstance(message, p.Stats) and self._stats_waiters:
-                    event, slot = self._stats_waiters.pop(0)
-                    slot.append(message)
-                    event.set()
-                elif isinstance(message, p.Shutdown):
-                    self._die(EngineDeadError(f"the engine at {self.address} shut down: {message.reason}"))
-                    return
-                elif isinstance(message, p.Error):
-                    log.warning("engine error: %s", message.message)
-                    if message.fatal:
-                        self._die(ProtocolError(message.message))
-                        return
-        except Exception as exc:  # the reader must not take the caller's task group down
-            if self._state == "open":
-                self._die(EngineDeadError(f"lost the engine at {self.address}: {exc!r}"))
+        while True:
+            frame = await self._sock.recv()
+            self._last_heard = time.monotonic()
+            try:
+                message = p.decode_engine_message(frame)
+            except ProtocolError as exc:
+                log.warning("ignoring a message from the engine: %s", exc)
+                continue
+            try:
+                await self._dispatch(message)
+            except Exception as exc:  # a bug here must not take the caller's task group down
+                log.exception("handling a %s from the engine failed", type(message).__name__)
+                self._die(EngineDeadError(f"the client failed on a message from the engine: {exc!r}"))
+                return
+
+    async def _dispatch(self, message: p.EngineMessage) -> None:
+        if isinstance(message, p.Outputs):
+            for out in message.outputs:
+                mailbox = self._mailboxes.get(out.request_id)
+                if mailbox is not None:
+                    mailbox.put(out)
+        elif isinstance(message, p.Stats) and self._stats_waiters:
+            event, slot = self._stats_waiters.pop(0)
+            slot.append(message)
+            event.set()
+        elif isinstance(message, p.Welcome) and not self._registered.is_set():
+            if message.tokenizer_digest != self._welcome.tokenizer_digest:  # the engine restarted on another model
+                self.tokenizer = await anyio.to_thread.run_sync(
+                    _load_tokenizer, message.tokenizer_digest, message.tokenizer_files
+                )
+                message.tokenizer_files = {}
+            log.info("registered with the engine at %s again", self.address)
+            self._welcome, self._lost = message, None
+            self._registered.set()
+        elif isinstance(message, p.Shutdown):
+            self._lose(EngineDeadError(f"the engine at {self.address} shut down: {message.reason}"))
+        elif isinstance(message, p.Error):
+            if message.fatal:
+                self._die(ProtocolError(message.message))
+            elif message.code in ("unregistered", "dropped"):
+                self._lose(ConnectionLostError(f"{message.message}; this client registers again"))
+            else:
+                log.warning("engine error: %s", message.message)
 
     async def _heartbeat_loop(self) -> None:
-        interval = self._welcome.heartbeat_interval
+        interval = min(self._welcome.heartbeat_interval, self.timeout / 4)
         beat = p.encode(p.Heartbeat())
+        next_beat = time.monotonic()
         while True:
-            await anyio.sleep(min(interval, self.timeout / 4))
-            silent = time.monotonic() - self._last_heard
-            if silent > self.timeout:
-                self._die(EngineDeadError(f"the engine at {self.address} sent nothing for {silent:.1f} s"))
-                return
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(beat, flags=zmq.NOBLOCK)
+            # Wake for the next beat, or exactly when the engine's silence reaches the timeout.
+            deadline = self._last_heard + self.timeout
+            await anyio.sleep(max(0.0, min(next_beat, deadline) - time.monotonic()))
+            now = time.monotonic()
+            if self._lost is None and now - self._last_heard >= self.timeout:
+                self._lose(
+                    EngineDeadError(f"the engine at {self.address} sent nothing for {now - self._last_heard:.1f} s")
+                )
+            if now >= next_beat:
+                next_beat = now + interval
+                self._send_now(beat if self._lost is None else self._hello())  # unregistered: keep saying hello
+            if self._lost is not None:
+                self._last_heard = max(self._last_heard, now)  # a lost client times nothing out
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                # What the engine sent before it went (a shutdown's terminal outputs) is still queued
+                # here: let the reader take it first, so that each stream ends with its own reason.
+                with anyio.move_on_after(1.0):
+                    while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await anyio.sleep(0.001)
+                self._lose(ConnectionLostError(f"lost the connection to the engine at {self.address}"))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+                if self._lost is not None:
+                    self._send_now(self._hello())
+
+    def _lose(self, exc: EngineDeadError) -> None:
+        """The engine no longer knows this client: end every open stream with ``exc``; say hello again
+        (now, on the next beat, and when a connection comes up) until an engine welcomes it."""
+        if self._lost is not None or self._dead is not None:  # the reader, heartbeat and monitor can all notice
+            return
+        log.error("%s", exc)
+        self._lost = exc
+        self._registered = anyio.Event()
+        self._fail_all(exc)
+        self._send_now(self._hello())
 
     def _die(self, exc: BaseException) -> None:
-        if self._dead is not None:  # the reader and the heartbeat can both notice; say it once
+        if self._dead is not None:
             return
         log.error("%s", exc)
         self._dead = exc
         self._fail_all(exc)
+        self._registered.set()  # wake the waiters: _check_open raises for them
 
     def _fail_all(self, exc: BaseException) -> None:
         for mailbox in self._mailboxes.values():
@@ -251,20 +368,28 @@ class AsyncClient:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> _Mailbox:
-        self._check_open()
-        frame = p.encode(p.Add(request_id, prompt_token_ids, params))
-        if len(frame) > p.MAX_MESSAGE_BYTES:
-            raise InvalidRequestError(f"the request is {len(frame)} bytes, over the {p.MAX_MESSAGE_BYTES}-byte limit")
+    async def _submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None
+    ) -> _Mailbox:
+        frame = p.encode(p.Add(request_id, prompt_token_ids, params, timeout))
+        limit = self._welcome.max_request_bytes
+        if len(frame) > limit:
+            raise InvalidRequestError(
+                f"the request is {len(frame)} bytes, over the engine's limit of {limit}; shorten the prompt"
+            )
+        await self._ready()
+        if not self._send_now(frame):
+            raise ConnectionLostError(f"lost the connection to the engine at {self.address}; nothing was sent")
         mailbox = self._mailboxes[request_id] = _Mailbox()
-        self._sock.send(frame, flags=zmq.NOBLOCK)
         return mailbox
+
+    def _forget(self, request_id: str) -> None:
+        self._mailboxes.pop(request_id, None)
 
     def _abort(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
         if self._state == "open":
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(p.encode(p.Abort([request_id])), flags=zmq.NOBLOCK)
+            self._send_now(p.encode(p.Abort([request_id])))
 
     def _params(self, sampling_params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
         if sampling_params is None:
@@ -279,37 +404,53 @@ class AsyncClient:
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **sampling_kwargs: Any
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
     ) -> Stream:
         """Stream the completion of ``prompt`` (text or token ids).
 
         ``sampling_kwargs`` are SamplingParams fields (``max_tokens=64, temperature=0``), applied over
-        ``sampling_params`` when both are given.
+        ``sampling_params`` when both are given. ``timeout`` (seconds) bounds the whole request: the
+        engine aborts it then and the stream raises ``RequestTimeoutError``.
         """
-        self._check_open()
-        return Stream(self, self._prompt_ids(prompt), self._params(sampling_params, sampling_kwargs))
+        self._check_reachable()
+        return Stream(self, self._prompt_ids(prompt), self._params(sampling_params, sampling_kwargs), timeout)
 
     def chat(
-        self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None, **sampling_kwargs: Any
+        self,
+        messages: list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
     ) -> Stream:
         """Stream a reply to ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
 
         A model without a chat template gets a plain "role: content" transcript ending in "assistant:".
         """
-        self._check_open()
+        self._check_reachable()
         if self.tokenizer.chat_template:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return Stream(self, ids, self._params(sampling_params, sampling_kwargs))
+        return Stream(self, ids, self._params(sampling_params, sampling_kwargs), timeout)
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, **sampling_kwargs: Any
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling_kwargs: Any,
     ) -> Completion:
         """The whole completion of ``prompt``."""
         text, ids, logprobs, last = [], [], [], None
-        async with self.stream(prompt, sampling_params, **sampling_kwargs) as stream:
+        async with self.stream(prompt, sampling_params, timeout=timeout, **sampling_kwargs) as stream:
             async for chunk in stream:
                 text.append(chunk.text)
                 ids += chunk.token_ids
@@ -320,12 +461,14 @@ class AsyncClient:
 
     async def stats(self) -> p.Stats:
         """The engine's counters: running and waiting requests, free KV blocks, clients."""
-        self._check_open()
+        await self._ready()
         event, slot = anyio.Event(), []
         self._stats_waiters.append((event, slot))
-        self._sock.send(p.encode(p.GetStats()), flags=zmq.NOBLOCK)
+        if not self._send_now(p.encode(p.GetStats())):
+            self._stats_waiters.remove((event, slot))
+            raise ConnectionLostError(f"lost the connection to the engine at {self.address}; nothing was sent")
         with anyio.fail_after(self.timeout):
             await event.wait()
         if not slot:
-            raise EngineDeadError(str(self._dead or "the client was closed"))
+            raise EngineDeadError(str(self._dead or self._lost or "the client was closed"))
         return slot[0]

@@ -129,10 +129,22 @@ class ServerConfig:
     """A client silent this long is gone: its requests are aborted and their KV blocks freed."""
     stream_interval: int = 1
     """Send a request's tokens every N tokens (its first and last always go at once)."""
+    max_num_queued_reqs: int = 4096
+    """Requests waiting to run, engine-wide; a request past this is refused with EngineBusyError (HTTP 429)."""
+    max_num_queued_tokens: int = 4_194_304
+    """Tokens of the waiting requests, engine-wide; a request past this is refused with EngineBusyError."""
+    max_client_reqs: int = 8192
+    """Open requests (running or waiting) of one client; more are refused with EngineBusyError."""
+    max_client_tokens: int = 8_388_608
+    """Prompt tokens of one client's open requests; a request past this is refused with EngineBusyError."""
 
     def __post_init__(self) -> None:
-        if not self.heartbeat_interval > 0:
-            raise ValueError(f"heartbeat_interval must be > 0 seconds, got {self.heartbeat_interval!r}")
+        if not 0 < self.heartbeat_interval < float("inf"):
+            raise ValueError(
+                f"heartbeat_interval must be a positive number of seconds, got {self.heartbeat_interval!r}"
+            )
+        if not self.client_timeout < float("inf"):
+            raise ValueError(f"client_timeout must be a finite number of seconds, got {self.client_timeout!r}")
         if not self.client_timeout > self.heartbeat_interval:
             raise ValueError(
                 f"client_timeout ({self.client_timeout}) must exceed heartbeat_interval ({self.heartbeat_interval})"
@@ -143,5 +155,9 @@ class ServerConfig:
             or self.stream_interval < 1
         ):
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_client_reqs", "max_client_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.address is not None and not self.address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"address must be ipc://PATH or tcp://HOST:PORT, got {self.address!r}")

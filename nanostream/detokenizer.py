@@ -2,7 +2,8 @@
 
 Text is released only when it is final: never half a UTF-8 character (a trailing U+FFFD means the
 next token completes it), and never the first ``max(len(stop)) - 1`` characters that could still
-turn out to begin a stop string. ``finish()`` releases what was held back.
+turn out to begin a stop string. ``finish()`` releases what was held back. A character that the
+prompt began and the output completes is the output's text, whole.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ from typing import Any
 _CONTEXT_TOKENS = 5
 
 
+def _new_text(prefix: str, full: str) -> str:
+    """The text of ``full`` (the decode of ``prefix``'s tokens and more) that ``prefix`` did not show."""
+    if full.startswith(prefix):
+        return full[len(prefix) :]
+    # A prompt that ends inside a UTF-8 character decodes to a trailing U+FFFD, which the output tokens
+    # turn into the completed character: it is the output's, so cut where the two decodes first differ.
+    # (Moving the token offset back over the partial pieces instead would repeat what a token holds
+    # before them: GPT-2-style byte-level BPEs have tokens like "ĠðŁ", a space and an emoji's first bytes.)
+    n = 0
+    while n < min(len(prefix), len(full)) and prefix[n] == full[n]:
+        n += 1
+    return full[n:]
+
+
 def decode_output(
     tokenizer: Any, prompt_token_ids: list[int], output_token_ids: list[int], *, skip_special_tokens: bool = True
 ) -> str:
@@ -21,7 +36,7 @@ def decode_output(
     releases, at the cost of two decodes instead of two per token (the offline API's fast path)."""
     context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
     prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
-    return tokenizer.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)[len(prefix) :]
+    return _new_text(prefix, tokenizer.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens))
 
 
 class IncrementalDetokenizer:
@@ -53,8 +68,9 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> None:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
-            self._append(full[len(prefix) :])
+        # Not ``len(full) > len(prefix)``: completing the prompt's last character keeps the length.
+        if full != prefix and (final or not full.endswith("\ufffd")):
+            self._append(_new_text(prefix, full))
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _append(self, delta: str) -> None:

@@ -3,30 +3,47 @@
     client (DEALER)                               engine (ROUTER)
     Hello(version, auth_token)          ──▶
                                         ◀──       Welcome(model, max_model_len, tokenizer files, ...)
+                                                  (or a fatal Error: wrong version or token)
     Add(request_id, prompt ids, params) ──▶
                                         ◀──       Outputs([RequestOutput, ...])  one per engine step
     Abort([request_id, ...])            ──▶                                      (per client)
     GetStats()                          ──▶
                                         ◀──       Stats(running, waiting, free blocks, ...)
     Heartbeat()                         ◀─▶       Heartbeat()          both ways, every interval
-                                        ◀──       Error(message)       malformed, unknown, unauthorised
+                                        ◀──       Error(message, code) malformed, too large, unregistered, dropped
                                         ◀──       Shutdown(reason)     the engine is stopping
     Bye()                               ──▶
 
 Each message is one ZeroMQ frame: a msgpack map whose "type" field names the struct. Decoding is
 into these structs only (never pickle); anything else is a ``ProtocolError``. Every request gets
-exactly one ``RequestOutput`` with a ``finish_reason``: "stop", "length", "abort" or "error".
+exactly one ``RequestOutput`` with a ``finish_reason``: "stop", "length", "abort" or "error"; an
+"error" carries a ``code`` ("invalid", "busy", "timeout", "internal") that the client turns into
+its exception (``errors.REQUEST_ERRORS``). An ``Error`` with code "unregistered" or "dropped" tells
+a client that the engine does not know it (any more): it ends its open streams and says hello again.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import msgspec
 
 from nanostream.errors import ProtocolError
 from nanostream.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
+MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
+MAX_REQUEST_ID_CHARS = 256
+MAX_ABORT_IDS = 4096
+
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+
+
+def max_request_bytes(max_model_len: int) -> int:
+    """The largest frame a client may send an engine of this context length: an Add of a full-length
+    prompt (msgpack spends at most 9 bytes on an id) with every stop string at its longest, and room."""
+    return 9 * max_model_len + 4 * 64 * 1024 + 64 * 1024
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
@@ -38,18 +55,20 @@ class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, om
 
 class Hello(_Message, tag="hello"):
     protocol_version: int
-    auth_token: str | None = None
+    auth_token: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     pid: int = 0
+    tokenizer_digest: str | None = None  # the client has these tokenizer files already: leave them out
 
 
 class Add(_Message, tag="add"):
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     params: SamplingParams
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=10**9)] | None = None  # seconds; then the engine aborts it
 
 
 class Abort(_Message, tag="abort"):
-    request_ids: list[str]
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_ABORT_IDS)]
 
 
 class GetStats(_Message, tag="get_stats"):
@@ -74,10 +93,12 @@ class Welcome(_Message, tag="welcome"):
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
-    tokenizer_files: dict[str, bytes]
+    tokenizer_digest: str  # names the tokenizer files (a hash of them)
+    tokenizer_files: dict[str, bytes]  # empty when the hello named the same digest
     chat_template: str | None
     heartbeat_interval: float  # seconds between heartbeats, each way
     client_timeout: float  # a client silent this long has its requests aborted
+    max_request_bytes: int  # the largest frame this engine accepts from a client
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -94,6 +115,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     logprobs: list[dict[int, float]] = []
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, for "error" (and for an abort the engine decided)
+    code: str | None = None  # for "error": "invalid" | "busy" | "timeout" | "internal"; "shutdown" for an abort
     usage: Usage | None = None  # on the last message
 
 
@@ -108,11 +130,14 @@ class Stats(_Message, tag="stats"):
     total_kv_blocks: int
     clients: int
     requests_by_client: dict[str, int]  # open requests of each connected client (by client id)
+    waiting_tokens: int = 0  # prompt tokens of the waiting requests
+    dropped_clients: int = 0  # clients dropped so far: silent too long, or disconnected with requests open
 
 
 class Error(_Message, tag="error"):
     message: str
     fatal: bool = False  # the engine will not serve this connection further (e.g. bad version or token)
+    code: str | None = None  # "malformed" | "too_large" | "unregistered" | "dropped" | "version" | "auth"
 
 
 class Shutdown(_Message, tag="shutdown"):
@@ -126,40 +151,57 @@ EngineMessage = Welcome | Outputs | Stats | Heartbeat | Error | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_hello_decoder = msgspec.msgpack.Decoder(Hello)
 _engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+
+class _AddHead(msgspec.Struct, forbid_unknown_fields=False):
+    """An Add's request id, read from a frame that failed to decode as a whole."""
+
+    type: str
+    request_id: RequestId
+
+
+_add_head_decoder = msgspec.msgpack.Decoder(_AddHead)
 
 
 def encode(message: _Message) -> bytes:
     return _encoder.encode(message)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview):
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES):
+    if len(frame) > limit:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {limit}")
     try:
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed message (not a nanostream msgpack frame): {exc}") from None
+    except Exception as exc:  # RecursionError (nested too deep), MemoryError, ...: any frame is refused, never fatal
+        raise ProtocolError(f"malformed message ({type(exc).__name__}: {exc})") from None
 
 
-def decode_client_message(frame: bytes | memoryview) -> ClientMessage:
-    return _decode(_client_decoder, frame)
+def decode_client_message(frame: bytes | memoryview, limit: int = MAX_MESSAGE_BYTES) -> ClientMessage:
+    return _decode(_client_decoder, frame, limit)
+
+
+def decode_hello(frame: bytes | memoryview) -> Hello:
+    """What a peer that has not said hello sends: a small Hello, or it is refused."""
+    return _decode(_hello_decoder, frame, MAX_HELLO_BYTES)
 
 
 def decode_engine_message(frame: bytes | memoryview) -> EngineMessage:
     return _decode(_engine_decoder, frame)
 
 
-def refusal(frame: bytes, error: ProtocolError) -> Error | Outputs:
+def refusal(frame: bytes | memoryview, error: ProtocolError) -> Error | Outputs:
     """The reply to a frame that failed to decode: the request's terminal error output when the frame
     is an ``add`` whose request_id can still be read (so the client's stream ends), else an Error."""
-    if len(frame) <= MAX_MESSAGE_BYTES:
-        try:
-            raw = msgspec.msgpack.decode(frame)  # plain maps and lists: nothing is executed
-        except msgspec.DecodeError:
-            raw = None
-        if isinstance(raw, dict) and raw.get("type") == "add" and isinstance(raw.get("request_id"), str):
-            return Outputs([RequestOutput(raw["request_id"], finish_reason="error", error=str(error))])
-    return Error(str(error))
+    try:
+        head = _add_head_decoder.decode(frame)
+    except Exception:  # any failure at all: the plain Error below
+        head = None
+    if head is not None and head.type == "add":
+        return Outputs([RequestOutput(head.request_id, finish_reason="error", error=str(error), code="invalid")])
+    return Error(str(error), code="malformed")

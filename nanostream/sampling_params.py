@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_INT = 2**63 - 1  # every integer must fit the engine's int64 tensors (and msgpack)
+_FLOAT32_MAX = 3.4e38
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy: dividing logits by it would overflow float32."""
 
 
 @dataclass(frozen=True)
@@ -15,7 +23,8 @@ class SamplingParams:
 
         SamplingParams(temperature=0.7, top_p=0.9, max_tokens=128, stop=["\\n\\n"], seed=1)
 
-    ``temperature=0`` is greedy decoding. ``top_k`` of 0 or -1 keeps every token.
+    ``temperature=0`` (or any below 1e-5) is greedy decoding. ``top_k`` of 0 or -1, or at least
+    the vocabulary size, keeps every token.
     ``max_tokens=None`` generates until the model's context (max_model_len) is full.
     ``logprobs=N`` returns the log-probability of each sampled token plus the N most likely ones,
     computed from the model's raw logits (before penalties and temperature).
@@ -47,17 +56,33 @@ class SamplingParams:
         stop = tuple(stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each; "
+                f"got {len(stop)}, the longest of {max(map(len, stop))} characters"
+            )
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids or ())
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        if not all(_is_int(i) and 0 <= i <= MAX_INT for i in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         object.__setattr__(self, "stop_token_ids", ids)
 
         def number(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:  # the sampler computes in float32
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
             return float(value)
+
+        def integer(name: str, low: int, what: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not _is_int(value) or not low <= value <= MAX_INT:
+                raise ValueError(f"{name} must be {what}, got {value!r}")
 
         if number("temperature") < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
@@ -65,31 +90,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (both disable it) or a positive integer, got {self.top_k!r}")
+        integer("top_k", -1, "-1, 0 (both disable it) or a positive integer")
         if number("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        integer("max_tokens", 1, "a positive integer or None", optional=True)
+        integer("min_tokens", 0, "a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
         """Sampling reads the request's own earlier tokens (repetition, presence or frequency penalty)."""
         return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -12,7 +12,7 @@ import anyio
 
 from nanostream import protocol as p
 from nanostream.detokenizer import IncrementalDetokenizer
-from nanostream.errors import EngineDeadError, InvalidRequestError
+from nanostream.errors import REQUEST_ERRORS, EngineDeadError, InvalidRequestError
 from nanostream.protocol import Usage
 from nanostream.sampling_params import SamplingParams
 
@@ -51,6 +51,7 @@ class _Mailbox:
         self.logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.code: str | None = None
         self.usage: Usage | None = None
         self.failure: BaseException | None = None
         self._event = anyio.Event()
@@ -60,7 +61,7 @@ class _Mailbox:
         self.logprobs += out.logprobs
         self.usage = out.usage or self.usage
         if out.finish_reason is not None:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.error, self.code = out.finish_reason, out.error, out.code
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -83,11 +84,16 @@ class Stream:
     (break, cancellation, ``aclose()``) aborts it in the engine.
     """
 
-    def __init__(self, client: AsyncClient, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, client: AsyncClient, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None = None
+    ) -> None:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.client = client
         self.request_id = uuid.uuid4().hex
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.timeout = timeout
         self._mailbox: _Mailbox | None = None
         self._done = False
         self._usage: Usage | None = None
@@ -101,7 +107,7 @@ class Stream:
         )
 
     async def __aenter__(self) -> Stream:
-        self._start()
+        await self._start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -112,22 +118,29 @@ class Stream:
         # even while the caller still holds the Stream.
         return _StreamIterator(self)
 
-    def _start(self) -> None:
+    async def _start(self) -> None:
         if self._mailbox is None:
-            self._mailbox = self.client._submit(self.request_id, self.prompt_token_ids, self.params)
+            try:
+                self._mailbox = await self.client._submit(
+                    self.request_id, self.prompt_token_ids, self.params, self.timeout
+                )
+            except BaseException:
+                self._done = True
+                raise
 
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
-        self._start()
+        await self._start()
         try:
             while True:
                 token_ids, logprobs, finish = await self._mailbox.take()
                 self._usage = self._mailbox.usage or self._usage
-                if finish == "error":
-                    raise InvalidRequestError(self._mailbox.error or "the engine rejected the request")
-                if finish == "abort" and self._mailbox.error:
-                    raise EngineDeadError(self._mailbox.error)
+                if finish == "error" or (finish == "abort" and self._mailbox.error):
+                    # The request ended in the engine for a reason of the engine's: raise it as its type.
+                    default = InvalidRequestError if finish == "error" else EngineDeadError
+                    error = REQUEST_ERRORS.get(self._mailbox.code or "", default)
+                    raise error(self._mailbox.error or "the engine rejected the request")
                 seen = self._detok.num_output_tokens
                 text = self._detok.add(token_ids)
                 if self._detok.stopped_by is not None:
@@ -141,7 +154,7 @@ class Stream:
                 self._generated += len(token_ids)
                 if finish is not None:
                     self._done = True
-                    self.client._mailboxes.pop(self.request_id, None)
+                    self.client._forget(self.request_id)
                     usage = self._usage or Usage(len(self.prompt_token_ids), 0)
                     usage = Usage(usage.prompt_tokens, self._generated, usage.cached_tokens)
                     return StreamChunk(text + self._detok.finish(), token_ids, finish, usage, self._lp(logprobs))

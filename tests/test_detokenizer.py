@@ -1,6 +1,8 @@
 """Incremental detokenization: no half characters, stop strings never leak, hold-back flushed."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanostream.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.tiny_model import build_tokenizer
@@ -92,3 +94,102 @@ def test_one_pass_decode_equals_the_incremental_text(tok, seed):
         detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
         text = "".join(detok.add([i]) for i in ids) + detok.finish()
         assert decode_output(tok, prompt, ids, skip_special_tokens=skip) == text
+
+
+# A prompt can end inside a character (its ids cut from an earlier output, a token budget that ran out):
+# the output tokens that complete it must show the whole character, in the stream and offline alike.
+
+
+def detokenize(tok, prompt, ids, chunks=(1,), **kwargs):
+    """Streamed text, fed in chunks of the given sizes (cycled), and the offline one-pass text."""
+    detok = IncrementalDetokenizer(tok, prompt, **kwargs)
+    deltas, i, n = [], 0, 0
+    while i < len(ids):
+        size = chunks[n % len(chunks)]
+        deltas.append(detok.add(ids[i : i + size]))
+        i, n = i + size, n + 1
+    deltas.append(detok.finish())
+    assert detok.stopped_by is None
+    skip = kwargs.get("skip_special_tokens", True)
+    return "".join(deltas), decode_output(tok, prompt, ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("stop", [(), ("never-there",)])
+@pytest.mark.parametrize("chunks", [(1,), (2,), (5,)])
+@pytest.mark.parametrize("before", ["The river ran ", ""])  # "": the prompt is only partial pieces
+@pytest.mark.parametrize("char", ["🚀", "世", "é"])  # 4, 3, 2 bytes: up to 3 leading pieces
+def test_character_begun_by_the_prompt_is_completed_in_the_output(tok, char, before, chunks, stop):
+    pieces = tok(char).input_ids
+    assert len(pieces) > 1
+    for k in range(1, len(pieces)):
+        for after in [" past the mill", ""]:
+            prompt = tok(before).input_ids + pieces[:k]
+            ids = pieces[k:] + tok(after).input_ids
+            assert tok.decode(prompt).endswith("\ufffd")
+            for skip in (True, False):
+                streamed, offline = detokenize(tok, prompt, ids, chunks, stop=stop, skip_special_tokens=skip)
+                assert streamed == offline == char + after
+
+
+def test_prompt_token_holding_text_and_a_character_start_is_not_repeated(tok):
+    # GPT-2-style byte-level BPEs merge a space with an emoji's first bytes ("ĠðŁ"): the output shows
+    # the emoji, and the space stays the prompt's.
+    tok = build_tokenizer(264, [" 🚀 🎉 😀 🙂 👋"] * 50)
+    ids = tok("a 🚀 b").input_ids
+    assert tok.decode(ids[1:2]) == " \ufffd"
+    for cut in (2, 3):
+        for stop in [(), ("never-there",)]:
+            assert detokenize(tok, ids[:cut], ids[cut:], stop=stop) == ("🚀 b", "🚀 b")
+
+
+def test_character_never_completed_stays_a_replacement_character(tok):
+    rocket = tok("🚀").input_ids
+    past = tok(" past").input_ids
+    for stop in [(), ("never-there",)]:
+        # Begun by the output: U+FFFD at its end.
+        assert detokenize(tok, tok("ran").input_ids, past + rocket[:2], stop=stop) == (" past\ufffd",) * 2
+        # Begun by the prompt and broken off by the output: the U+FFFD is the prompt's text.
+        assert detokenize(tok, rocket[:2], past, stop=stop) == (" past",) * 2
+        assert detokenize(tok, rocket[:1], rocket[1:2], stop=stop) == ("",) * 2
+        assert detokenize(tok, [], rocket[:3], stop=stop) == ("\ufffd",) * 2
+
+
+_PIECES = ["a", "b", "e", " ", "\n", ",", "é", "ï", "—", "世", "界", "🚀", "🎉", "👋🏽", "<|im_end|>"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=20),
+    cuts=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    stop=st.sampled_from([(), ("never-there",), ("#", "no such stop string")]),
+    skip=st.booleans(),
+)
+def test_prompt_and_output_split_anywhere_in_text(tok, pieces, cuts, chunks, stop, skip):
+    # Text with ASCII, accents, CJK, emoji and a special token, cut into prompt and output at any two
+    # token positions (also inside characters, which byte-level BPE splits over several tokens).
+    all_ids = tok("".join(pieces)).input_ids
+    start, end = sorted(round(c * len(all_ids)) for c in cuts)
+    prompt, ids = all_ids[:start], all_ids[start:end]
+    streamed, offline = detokenize(tok, prompt, ids, tuple(chunks), stop=stop, skip_special_tokens=skip)
+    assert streamed == offline
+    before = tok.decode(prompt, skip_special_tokens=skip)
+    full = tok.decode(prompt + ids, skip_special_tokens=skip)
+    if skip or "<|im_end|>" not in pieces:  # else a special token may sit inside a character's pieces
+        # The prompt's text, less a character it left incomplete, then the output's.
+        assert offline == ("" if full == before else full[len(before.removesuffix("\ufffd")) :])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 511), max_size=8),
+    ids=st.lists(st.integers(0, 511), max_size=30),
+    chunks=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+    stop=st.sampled_from([(), ("never-there",)]),
+    skip=st.booleans(),
+)
+def test_stream_equals_one_pass_decode_for_any_ids(tok, prompt, ids, chunks, stop, skip):
+    # Arbitrary ids: stray continuation bytes, characters cut off, special tokens between pieces.
+    assert len(tok) == 512
+    streamed, offline = detokenize(tok, prompt, ids, tuple(chunks), stop=stop, skip_special_tokens=skip)
+    assert streamed == offline

@@ -175,15 +175,15 @@ ROUND_TRIP = [
     p.GetStats(),
     p.Heartbeat(),
     p.Bye(),
-    p.Welcome(1, "e", "m", 256, 512, [0], {"tokenizer.json": b"\x00\xff{}"}, None, 1.0, 10.0),
+    p.Welcome(1, "e", "m", 256, 512, [0], "0a1b", {"tokenizer.json": b"\x00\xff{}"}, None, 1.0, 10.0, 4096),
     p.Outputs(
         [
             p.RequestOutput("r1", [5, 6], [{5: -0.1}, {6: -0.2, 7: -3.0}]),
-            p.RequestOutput("r2", [], finish_reason="error", error="bad", usage=p.Usage(3, 0, 1)),
+            p.RequestOutput("r2", [], finish_reason="error", error="bad", code="busy", usage=p.Usage(3, 0, 1)),
         ]
     ),
     p.Stats(1, 2, 3, 4, 5, {"c": 1}),
-    p.Error("nope", fatal=True),
+    p.Error("nope", fatal=True, code="auth"),
     p.Shutdown("engine shutting down"),
 ]
 
@@ -223,7 +223,7 @@ def test_oversize_frame_is_refused_before_decoding():
     frame = p.encode(p.Abort(["x" * (p.MAX_MESSAGE_BYTES + 1)]))  # valid msgpack, just too big
     with pytest.raises(ProtocolError, match=rf"exceeds the limit of {p.MAX_MESSAGE_BYTES}"):
         p.decode_client_message(frame)
-    assert p.decode_client_message(p.encode(p.Abort(["x" * 1000]))) == p.Abort(["x" * 1000])
+    assert p.decode_client_message(p.encode(p.Abort(["x" * 256]))) == p.Abort(["x" * 256])
 
 
 @pytest.mark.parametrize(
@@ -254,6 +254,9 @@ async def test_hostile_peers_get_errors_and_do_not_disturb_a_concurrent_stream(e
         "multi-frame": [p.encode(p.GetStats()), b"extra"],
         "unknown type": [msgspec.msgpack.encode({"type": "rm -rf"})],
         "before hello": [p.encode(p.GetStats())],
+        "nested 1,000 deep": [b"\x91" * 1000 + b"\x00"],
+        "nested add": [b"\x82\xa4type\xa3add\xa6params" + b"\x91" * 5000 + b"\x00"],
+        "big before hello": [p.encode(p.Add("r", list(range(3000)), SamplingParams()))],
         "bad version": [p.encode(p.Hello(p.PROTOCOL_VERSION + 41))],
         "invalid params": [msgspec.msgpack.encode(bad_add)],
         "oversize": [b"\x00" * (p.MAX_MESSAGE_BYTES + 1)],
@@ -288,7 +291,11 @@ async def test_hostile_peers_get_errors_and_do_not_disturb_a_concurrent_stream(e
         assert "malformed" in error("garbage")
         assert "one frame per message" in error("multi-frame")
         assert "rm -rf" in error("unknown type")
-        assert "hello" in error("before hello", fatal=True)
+        # Not fatal: a client the engine dropped is told to say hello again.
+        assert "say hello first" in error("before hello") and replies["before hello"].code == "unregistered"
+        assert "malformed" in error("nested 1,000 deep") or "invalid" in error("nested 1,000 deep")
+        assert replies["nested add"] is not None
+        assert "refused unread" in error("big before hello")
         version_error = error("bad version", fatal=True)
         assert str(p.PROTOCOL_VERSION + 41) in version_error and f"version {p.PROTOCOL_VERSION}" in version_error
         # An add that cannot be decoded still ends its own request, with a terminal error output.

@@ -395,9 +395,10 @@ def test_killed_client_requests_are_aborted(tuned_engine):
         child.join()
     assert before.running == 4
     (doomed,) = (name for name, n in before.requests_by_client.items() if n == 4)  # the engine's name for it
-    assert elapsed < CLIENT_TIMEOUT + 2.0
+    # Its connection closed with the process: the engine aborts at once, not after client_timeout.
+    assert elapsed < CLIENT_TIMEOUT, elapsed
     assert set(before.requests_by_client) - set(after.requests_by_client) == {doomed}, "the dead client is gone"
-    assert f"client {doomed} silent" in tuned_engine.output(), "its requests were aborted, not run to the end"
+    assert f"client {doomed} disconnected" in tuned_engine.output(), "its requests were aborted, not run to the end"
 
 
 # ---- 5. the engine killed: every open stream fails --------------------------------------------------

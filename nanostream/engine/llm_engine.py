@@ -29,6 +29,10 @@ from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS = 3
+"""Steps in a row that may raise before ``step()`` gives up: past this the device or the engine is
+broken (a sticky CUDA error), not one request."""
+
 
 @dataclass
 class RequestDelta:
@@ -36,10 +40,11 @@ class RequestDelta:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # why, for "error"
 
 
 @dataclass
@@ -97,6 +102,9 @@ class LLMEngine:
         )
         self._rng = random.Random(config.seed)
         self._in_flight: tuple[list[ScheduledChunk], InFlight] | None = None  # the launched, unread step
+        self._scheduled: list[ScheduledChunk] = []  # this step's chunks, until it is in flight
+        self._deltas: list[RequestDelta] = []  # this step's output so far
+        self._failed_steps = 0  # in a row
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.model_path,
@@ -175,13 +183,40 @@ class LLMEngine:
         return len(self.scheduler) > 0
 
     def step(self) -> StepResult:
-        """Launch one step and return what the previous one produced (read back while this one runs)."""
-        deltas: list[RequestDelta] = []
+        """Launch one step and return what the previous one produced (read back while this one runs).
+
+        If stepping raises, the requests of the failed step (and of the one in flight) end with
+        finish_reason "error" and the engine serves on; after ``MAX_FAILED_STEPS`` failures in a row
+        the exception propagates."""
+        try:
+            result = self._step()
+        except Exception as exc:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise
+            return self._fail_step(exc)
+        self._failed_steps = 0
+        return result
+
+    def _fail_step(self, exc: Exception) -> StepResult:
+        log.exception("an engine step failed; failing its requests, serving the others")
+        chunks = self._scheduled + (self._in_flight[0] if self._in_flight else [])
+        self._scheduled, self._in_flight = [], None
+        error = f"internal error while running the request ({type(exc).__name__}: {exc}); the engine logged it"
+        deltas = self._deltas  # what the step produced before it failed still goes out
+        for rid in dict.fromkeys(c.seq.request_id for c in chunks):
+            seq = self.scheduler.finish(rid, "error")
+            if seq is not None:
+                deltas.append(RequestDelta(rid, [], "error", [], seq.num_prompt_tokens, seq.num_cached_tokens, error))
+        return StepResult(deltas, 0, 0)
+
+    def _step(self) -> StepResult:
+        deltas = self._deltas = []
         # 0. a request whose penalties read its own output needs every token's value before scheduling
         if self._in_flight is not None and self.scheduler.needs_token_values():
-            deltas = self._finish_in_flight()
+            deltas += self._finish_in_flight()
         # 1. pick this step's chunks (decodes first, then prefill chunks, then admissions)
-        chunks = self.scheduler.schedule()
+        chunks = self._scheduled = self.scheduler.schedule()
         num_decode = sum(1 for c in chunks if c.num_new_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
         num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
         # 2. queue the model and the sampler on the device; inputs still in flight stay on the device
@@ -193,12 +228,13 @@ class LLMEngine:
         if self._in_flight is not None:
             deltas += self._finish_in_flight()
         self._in_flight = (chunks, launched) if chunks else None
+        self._scheduled = []
         return StepResult(deltas, num_prefill, num_decode)
 
     def _finish_in_flight(self) -> list[RequestDelta]:
         chunks, launched = self._in_flight
-        self._in_flight = None
         sampled = self.runner.collect(launched)
+        self._in_flight = None
         deltas = []
         for seq in self.scheduler.resolve(chunks, {rid: s.token_id for rid, s in sampled.items()}):
             token = sampled[seq.request_id]

@@ -331,13 +331,15 @@ class ModelRunner:
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]
         greedy = [x.greedy for x in p]
+        vocab = self.vocab_size
+        top_ks = [x.top_k if 0 < x.top_k < vocab else vocab for x in p]  # k >= the vocabulary keeps every token
         f32, i64 = torch.float32, torch.int64
         temperature, top_p, min_p = self._tensors(
             f32, [0.0 if g else x.temperature for g, x in zip(greedy, p)], [x.top_p for x in p], [x.min_p for x in p]
         )
         top_k, seeds, steps = self._tensors(
             i64,
-            [x.top_k if x.top_k > 0 else self.vocab_size for x in p],
+            top_ks,
             [s.sampling_seed for s in seqs],
             [s.num_output_tokens for s in seqs],
         )
@@ -349,7 +351,7 @@ class ModelRunner:
             seeds=seeds,
             steps=steps,
             all_greedy=all(greedy),
-            needs_top_k_p=any(x.top_k > 0 or x.top_p < 1 for x in p),
+            needs_top_k_p=any(k < vocab for k in top_ks) or any(x.top_p < 1 for x in p),
             needs_min_p=any(x.min_p > 0 for x in p),
             max_logprobs=max((x.logprobs for x in p if x.logprobs is not None), default=-1),
         )

@@ -54,6 +54,7 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_penalized = 0  # requests whose sampling reads their own output (penalties)
+        self.num_waiting_tokens = 0  # tokens of the waiting requests (their prompts, or all a preempted one has)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -63,6 +64,7 @@ class Scheduler:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
+        self._enqueued(seq)
         self.num_penalized += seq.params.has_penalties
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
@@ -75,6 +77,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+            self.num_waiting_tokens -= seq.queued_tokens
         self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         return seq
@@ -108,6 +111,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
+            self.num_waiting_tokens -= seq.queued_tokens
             if not seq.admitted:
                 seq.admitted, seq.num_cached_tokens = True, seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -121,7 +125,12 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self._enqueued(seq)
         self.num_preemptions += 1
+
+    def _enqueued(self, seq: Sequence) -> None:
+        seq.queued_tokens = seq.num_tokens
+        self.num_waiting_tokens += seq.queued_tokens
 
     def needs_token_values(self) -> bool:
         """Some request's sampling reads its own output tokens (penalties): no token may be pending."""

@@ -1,16 +1,22 @@
 """The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
 
 transport.inputs ──▶ busy loop (this thread):
-                       1. handle messages (hello, add, abort, stats)
+                       1. handle messages (hello, add, abort, stats; disconnections)
                        2. engine.step()
-                       3. route new tokens, one Outputs per client
-                       4. heartbeats, drop silent clients
+                       3. heartbeats, silent clients dropped, requests past their timeout aborted
+                       4. one Outputs per client for everything this iteration produced
                      ──▶ transport.send() ──▶ encoder and io threads ──▶ clients
+
+What one client can make the engine hold is bounded: frames by size (transport), requests and
+prompt tokens by ``ServerConfig``'s queue limits (a request past them is refused as "busy"), and a
+client's liveness by its heartbeats, counted from its hello.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import heapq
 import hmac
 import logging
 import queue
@@ -25,12 +31,17 @@ from pathlib import Path
 from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.engine.llm_engine import LLMEngine, RequestDelta
-from nanostream.engine.transport import Transport, check_bind_address, default_address
+from nanostream.engine.transport import DISCONNECTED, NOT_READING, Transport, check_bind_address, default_address
 from nanostream.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "engine shutting down"
+_MESSAGES_PER_ITERATION = 1024  # a flood of messages still lets the engine step between batches of them
+
+
+class EngineFailure(RuntimeError):
+    """The engine cannot go on (a thread of its process died): every client is told, the process exits."""
 
 
 def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
@@ -45,11 +56,19 @@ def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
     return files, template
 
 
+def files_digest(files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return digest.hexdigest()[:32]
+
+
 @dataclass
 class _Client:
     identity: bytes
     last_seen: float
     requests: set[str] = field(default_factory=set)  # the client's own request ids, open ones
+    prompt_tokens: int = 0  # of its open requests
 
     @property
     def name(self) -> str:
@@ -62,6 +81,7 @@ class _Pending:
 
     identity: bytes
     request_id: str
+    num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_generated: int = 0
@@ -72,29 +92,36 @@ class EngineServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.config = server_config
         self.address = server_config.address or default_address()
-        check_bind_address(self.address, server_config.auth_token)
+        check_bind_address(self.address, server_config.auth_token)  # before the slow part: loading
         self.engine = LLMEngine(engine_config)
         files, template = tokenizer_files(Path(engine_config.tokenizer or self.engine.model_path))
         self.engine_id = secrets.token_hex(8)
-        self._welcome = p.encode(
-            p.Welcome(
-                protocol_version=p.PROTOCOL_VERSION,
-                engine_id=self.engine_id,
-                model=engine_config.model,
-                max_model_len=self.engine.max_model_len,
-                vocab_size=self.engine.vocab_size,
-                eos_token_ids=sorted(self.engine.eos_token_ids),
-                tokenizer_files=files,
-                chat_template=template,
-                heartbeat_interval=server_config.heartbeat_interval,
-                client_timeout=server_config.client_timeout,
-            )
+        max_request_bytes = p.max_request_bytes(self.engine.max_model_len)
+        welcome = p.Welcome(
+            protocol_version=p.PROTOCOL_VERSION,
+            engine_id=self.engine_id,
+            model=engine_config.model,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            eos_token_ids=sorted(self.engine.eos_token_ids),
+            tokenizer_digest=files_digest(files),
+            tokenizer_files=files,
+            chat_template=template,
+            heartbeat_interval=server_config.heartbeat_interval,
+            client_timeout=server_config.client_timeout,
+            max_request_bytes=max_request_bytes,
         )
+        self._digest = welcome.tokenizer_digest
+        self._welcome = p.encode(welcome)
+        welcome.tokenizer_files = {}
+        self._welcome_back = p.encode(welcome)  # for a client that has the files already
         self.clients: dict[bytes, _Client] = {}
         self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
+        self.dropped_clients = 0
+        self._deadlines: list[tuple[float, str]] = []  # (monotonic deadline, engine request id), a heap
         self._batch: dict[bytes, list[p.RequestOutput]] = {}  # this iteration's outputs, per client
         self._stop = threading.Event()
-        self.transport = Transport(self.address)
+        self.transport = Transport(self.address, max_request_bytes)
         self.address = self.transport.address
 
     def _send(self, identity: bytes, message: bytes | p._Message) -> None:
@@ -103,7 +130,8 @@ class EngineServer:
     # ---- the busy loop ---------------------------------------------------------------------------
 
     def serve_forever(self, ready: callable | None = None) -> None:
-        """Run until SIGINT/SIGTERM; then end every open request and close cleanly."""
+        """Run until SIGINT/SIGTERM; then end every open request and close cleanly. Raises
+        ``EngineFailure`` if the engine cannot go on (after telling every client)."""
         self.transport.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -115,43 +143,63 @@ class EngineServer:
         if ready is not None:
             ready(self.address)
         next_beat = time.monotonic()
+        reason = SHUTDOWN_MESSAGE
         try:
             while not self._stop.is_set():
                 # 1. messages from clients; wait for one only while there is nothing to compute
                 self._handle_inputs(block=not self.engine.has_unfinished())
+                if self.transport.failure is not None:
+                    reason = f"the engine failed: its socket thread died ({self.transport.failure!r})"
+                    raise EngineFailure(reason) from self.transport.failure
                 # 2. one engine step
                 if self.engine.has_unfinished():
                     self._route(self.engine.step().deltas)
-                # 3. heartbeats out, silent clients dropped
+                # 3. heartbeats out, silent clients dropped, requests past their timeout aborted
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.config.heartbeat_interval
                     self._liveness(now)
+                self._expire(now)
                 # 4. one Outputs message per client for everything this iteration produced
                 self._flush()
+        except Exception as exc:
+            if not isinstance(exc, EngineFailure):
+                log.exception("the engine loop failed")
+                reason = f"the engine failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
-            self._shutdown()
+            self._shutdown(reason)
 
     def _handle_inputs(self, block: bool) -> None:
+        inputs = self.transport.inputs
         try:
-            inputs = self.transport.inputs
             item = inputs.get(timeout=self.config.heartbeat_interval / 2) if block else inputs.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle(*item)
+        for _ in range(_MESSAGES_PER_ITERATION):
             try:
-                item = self.transport.inputs.get_nowait()
+                self._handle(*item)
+            except Exception:  # a bug in handling one message must not cost every client the engine
+                log.exception("handling a %s from client %s failed", type(item[1]).__name__, item[0].hex())
+            try:
+                item = inputs.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, identity: bytes, message: p.ClientMessage) -> None:
+    def _handle(self, identity: bytes, message: p.ClientMessage | object) -> None:
         client = self.clients.get(identity)
         if isinstance(message, p.Hello):
             self._hello(identity, message)
             return
-        if client is None:
-            self._send(identity, p.Error("send a hello first: this connection is not registered", fatal=True))
+        if client is None:  # dropped while this was on its way; a Bye or a disconnection needs no answer
+            if message not in (DISCONNECTED, NOT_READING) and not isinstance(message, p.Bye):
+                self._send(identity, p.Error(_UNREGISTERED, code="unregistered"))
+            return
+        if message is DISCONNECTED:
+            self._drop(client, "disconnected", notify=False)
+            return
+        if message is NOT_READING:
+            self._drop(client, "left its last messages unread", notify=False)
             return
         client.last_seen = time.monotonic()
         if isinstance(message, p.Add):
@@ -162,46 +210,82 @@ class EngineServer:
         elif isinstance(message, p.GetStats):
             self._send(identity, self._stats())
         elif isinstance(message, p.Bye):
-            self._drop(client, "said goodbye")
+            self._drop(client, "said goodbye", notify=False)
 
     def _hello(self, identity: bytes, hello: p.Hello) -> None:
         if hello.protocol_version != p.PROTOCOL_VERSION:
-            reason = (
-                f"protocol version {hello.protocol_version} is not supported: this engine speaks version "
-                f"{p.PROTOCOL_VERSION}; use a nanostream client of the engine's version"
+            reason, code = (
+                (
+                    f"protocol version {hello.protocol_version} is not supported: this engine speaks version "
+                    f"{p.PROTOCOL_VERSION}; use a nanostream client of the engine's version"
+                ),
+                "version",
             )
         elif self.config.auth_token and not hmac.compare_digest(
             (hello.auth_token or "").encode(), self.config.auth_token.encode()
         ):
-            reason = "bad or missing auth token: pass the engine's --auth-token (or NANOSTREAM_AUTH_TOKEN)"
+            reason, code = (
+                "bad or missing auth token: pass the engine's --auth-token (or NANOSTREAM_AUTH_TOKEN)",
+                "auth",
+            )
         else:
+            # A client is alive from its hello on: its tokenizer loads while its heartbeats already flow.
             self.clients.setdefault(identity, _Client(identity, time.monotonic())).last_seen = time.monotonic()
+            self.transport.register(identity)
             log.info("client %s connected (pid %d)", identity.hex(), hello.pid)
-            self._send(identity, self._welcome)
+            self._send(identity, self._welcome_back if hello.tokenizer_digest == self._digest else self._welcome)
             return
         log.warning("client %s refused: %s", identity.hex(), reason)
         if identity in self.clients:
-            self._drop(self.clients[identity], "was refused")
-        self._send(identity, p.Error(reason, fatal=True))
+            self._drop(self.clients[identity], "was refused", notify=False)
+        self._send(identity, p.Error(reason, fatal=True, code=code))
 
     def _add(self, client: _Client, add: p.Add) -> None:
-        rid = add.request_id
+        rid, n = add.request_id, len(add.prompt_token_ids)
         if not rid or rid in client.requests:
             reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=reason))
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=reason, code="invalid"))
+            return
+        busy = self._busy(client, n)
+        if busy is not None:
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=busy, code="busy"))
             return
         engine_id = f"{client.name}/{rid}"
         try:
             self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
         except InvalidRequestError as exc:
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=str(exc)))
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=str(exc), code="invalid"))
             return
         except Exception as exc:  # a bug must not take the engine down with it
             log.exception("adding request %s failed", engine_id)
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=f"internal error: {exc}"))
+            error = f"internal error: {exc}"
+            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=error, code="internal"))
             return
         client.requests.add(rid)
-        self.pending[engine_id] = _Pending(client.identity, rid)
+        client.prompt_tokens += n
+        self.pending[engine_id] = _Pending(client.identity, rid, n)
+        if add.timeout is not None:
+            heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
+
+    def _busy(self, client: _Client, num_tokens: int) -> str | None:
+        """Why a request of ``num_tokens`` prompt tokens cannot be queued now, or None if it can."""
+        c, sched = self.config, self.engine.scheduler
+        if len(sched.waiting) >= c.max_num_queued_reqs:
+            return f"the engine is busy: {len(sched.waiting)} requests wait to run (--max-num-queued-reqs); retry later"
+        if sched.waiting and sched.num_waiting_tokens + num_tokens > c.max_num_queued_tokens:
+            return (
+                f"the engine is busy: {sched.num_waiting_tokens} prompt tokens wait to run and this request "
+                f"adds {num_tokens} (--max-num-queued-tokens {c.max_num_queued_tokens}); retry later"
+            )
+        if len(client.requests) >= c.max_client_reqs:
+            return f"this client has {len(client.requests)} open requests, the most one client may (--max-client-reqs)"
+        if client.requests and client.prompt_tokens + num_tokens > c.max_client_tokens:
+            return (
+                f"this client's open requests hold {client.prompt_tokens} prompt tokens and this one adds "
+                f"{num_tokens}, more than one client may (--max-client-tokens "
+                f"{c.max_client_tokens}); retry when some finish"
+            )
+        return None
 
     def _route(self, deltas: list[RequestDelta]) -> None:
         interval = self.config.stream_interval
@@ -214,7 +298,8 @@ class EngineServer:
             pend.num_generated += len(delta.new_token_ids)
             if delta.finish_reason is not None:
                 usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
-                self._close(delta.request_id, pend, delta.finish_reason, None, usage)
+                code = "internal" if delta.finish_reason == "error" else None
+                self._close(delta.request_id, pend, delta.finish_reason, delta.error, usage, code)
             elif not pend.sent_any or len(pend.token_ids) >= interval:
                 # The first output also carries usage so far (prompt and cached tokens), for a client
                 # that ends the request itself (stop string) and so never sees the last one.
@@ -226,14 +311,26 @@ class EngineServer:
                 self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, usage=usage))
                 pend.token_ids, pend.logprobs, pend.sent_any = [], [], True
 
-    def _close(self, engine_id: str, pend: _Pending, reason: str, error: str | None, usage: p.Usage | None) -> None:
+    def _close(
+        self,
+        engine_id: str,
+        pend: _Pending,
+        reason: str,
+        error: str | None,
+        usage: p.Usage | None,
+        code: str | None = None,
+    ) -> None:
         del self.pending[engine_id]
         client = self.clients.get(pend.identity)
         if client is not None:
             client.requests.discard(pend.request_id)
-        self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, reason, error, usage))
+            client.prompt_tokens -= pend.num_prompt_tokens
+        output = p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, reason, error, code, usage)
+        self._emit(pend.identity, output)
 
-    def _finish(self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool) -> None:
+    def _finish(
+        self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool, code: str | None = None
+    ) -> None:
         """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
         engine_id = f"{identity.hex()}/{rid}"
         delta = self.engine.abort(engine_id)
@@ -242,12 +339,22 @@ class EngineServer:
             return
         if notify:
             usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens) if delta else None
-            self._close(engine_id, pend, reason, error, usage)
+            self._close(engine_id, pend, reason, error, usage, code)
         else:
             del self.pending[engine_id]
             client = self.clients.get(identity)
             if client is not None:
                 client.requests.discard(rid)
+                client.prompt_tokens -= pend.num_prompt_tokens
+
+    def _expire(self, now: float) -> None:
+        """Abort the requests whose own timeout has passed."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, engine_id = heapq.heappop(self._deadlines)
+            pend = self.pending.get(engine_id)
+            if pend is not None:  # else it finished in time
+                error = "the request's timeout passed before it finished; the engine aborted it"
+                self._finish(pend.identity, pend.request_id, "error", error, notify=True, code="timeout")
 
     def _emit(self, identity: bytes, output: p.RequestOutput) -> None:
         self._batch.setdefault(identity, []).append(output)
@@ -266,29 +373,40 @@ class EngineServer:
             total_kv_blocks=self.engine.block_manager.num_blocks,
             clients=len(self.clients),
             requests_by_client={c.name: len(c.requests) for c in self.clients.values()},
+            waiting_tokens=sched.num_waiting_tokens,
+            dropped_clients=self.dropped_clients,
         )
 
     def _liveness(self, now: float) -> None:
         for client in list(self.clients.values()):
-            if now - client.last_seen > self.config.client_timeout:
-                self._drop(client, f"silent for {now - client.last_seen:.1f} s")
+            silent = now - client.last_seen
+            if silent > self.config.client_timeout:
+                self._drop(client, f"was silent for {silent:.1f} s (client_timeout {self.config.client_timeout:g} s)")
             else:
                 self._send(client.identity, p.Heartbeat())
 
-    def _drop(self, client: _Client, why: str) -> None:
+    def _drop(self, client: _Client, why: str, notify: bool = True) -> None:
+        """Forget a client and abort its requests; ``notify`` tells it (it may still be listening)."""
         if client.requests:
             log.warning("client %s %s: aborting its %d request(s)", client.name, why, len(client.requests))
+        self.dropped_clients += why not in ("said goodbye", "was refused")
         for rid in list(client.requests):
             self._finish(client.identity, rid, "abort", None, notify=False)
         self._batch.pop(client.identity, None)
         del self.clients[client.identity]
+        self.transport.unregister(client.identity)
+        if notify:
+            self._send(client.identity, p.Error(f"the engine dropped this client: it {why}", code="dropped"))
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, reason: str) -> None:
         log.info("shutting down: ending %d open request(s)", len(self.pending))
         for engine_id, pend in list(self.pending.items()):
             self.engine.abort(engine_id)
-            self._close(engine_id, pend, "abort", SHUTDOWN_MESSAGE, None)
+            self._close(engine_id, pend, "abort", reason, None, "shutdown")
         self._flush()
         for identity in self.clients:
-            self._send(identity, p.Shutdown(SHUTDOWN_MESSAGE))
+            self._send(identity, p.Shutdown(reason))
         self.transport.close()
+
+
+_UNREGISTERED = "this connection is not registered with the engine (the engine dropped it): say hello again"

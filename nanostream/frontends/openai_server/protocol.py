@@ -11,7 +11,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
-from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError
+from nanostream.errors import (
+    ClientClosedError,
+    EngineBusyError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from nanostream.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # ---- errors ---------------------------------------------------------------------------------------
@@ -28,16 +35,20 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+
+RETRY_AFTER_S = 1  # what a 429 tells the HTTP client to wait: the engine's queues drain in about that
 
 _PARAM = re.compile(r"^(\w+) must\b")  # SamplingParams' messages start with the field at fault
 
@@ -58,6 +69,13 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(exc.status_code, str(exc.detail), type="invalid_request_error")
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc))
+    if isinstance(exc, EngineBusyError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return APIError(429, str(exc), type="rate_limit_error", code="engine_busy", headers=headers)
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), type="timeout_error", code="request_timeout")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     if isinstance(exc, (EngineDeadError, ClientClosedError, TimeoutError)):
         why = str(exc) or "it did not answer in time"
         return APIError(503, f"the engine is unavailable: {why}", type="service_unavailable", code="engine_unavailable")
