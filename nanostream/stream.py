@@ -65,8 +65,9 @@ class _Mailbox:
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
-        self.failure = exc
-        self._event.set()
+        if self.finish_reason is None:  # a request that has its terminal output lost nothing
+            self.failure = exc
+            self._event.set()
 
     async def take(self) -> tuple[list[int], list[dict[int, float]], str | None]:
         await self._event.wait()

@@ -288,8 +288,9 @@ def test_api_key(url, http):
     assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_engine_down_is_503(engines):
-    """An open stream ends with an SSE error event; then every request is a 503, and /health says so."""
+def test_engine_down_is_503_until_it_comes_back(engines, qwen3_dir):
+    """An open stream ends with an SSE error event; then every request is a 503, and /health says so;
+    an engine started again at the same address is found without restarting the frontend."""
     engine = engines["doomed"]
     base, stop = serve_http(create_app(lambda: AsyncClient(engine.address, timeout=1.0)))
     try:
@@ -306,6 +307,15 @@ def test_engine_down_is_503(engines):
                 error = assert_error(response, 503, None, "engine")
                 assert error["type"] == "service_unavailable"
             assert "nanostream_engine_up 0.0" in http.get("/metrics").text
+
+            # The killed engine left its socket file; a new one replaces it and the frontend reconnects.
+            with EngineProcess(str(qwen3_dir), address=engine.address, **ENGINE_OPTIONS):
+                deadline = time.monotonic() + 10
+                while http.get("/health").status_code != 200:
+                    assert time.monotonic() < deadline, "the frontend did not reconnect"
+                    time.sleep(0.05)
+                reply = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+                assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     finally:
         stop()
 

@@ -387,8 +387,8 @@ class EngineServer:
 
     def _drop(self, client: _Client, why: str, notify: bool = True) -> None:
         """Forget a client and abort its requests; ``notify`` tells it (it may still be listening)."""
-        if client.requests:
-            log.warning("client %s %s: aborting its %d request(s)", client.name, why, len(client.requests))
+        level = logging.WARNING if client.requests else logging.INFO
+        log.log(level, "client %s %s: dropped, aborting its %d request(s)", client.name, why, len(client.requests))
         self.dropped_clients += why not in ("said goodbye", "was refused")
         for rid in list(client.requests):
             self._finish(client.identity, rid, "abort", None, notify=False)
