@@ -208,7 +208,7 @@ class Transport:
                 if self._monitor in events:  # before the frames: a new peer may reuse a closed one's fd
                     fd = parse_monitor_message(self._monitor.recv_multipart())["value"]
                     identity = self._peers.pop(fd, None)
-                    if identity in self.registered:
+                    if identity is not None:  # after its hello, if that is still queued: both reach the loop
                         self._put(identity, DISCONNECTED)
                 if pull in events:
                     frames = pull.recv_multipart(copy=False)
