@@ -253,7 +253,7 @@ def test_fuzzed_frames_cost_the_good_client_nothing(engine, references):
         async with AsyncClient(engine.address) as client:
             await wait_idle(client, 10)  # the rogues' requests were aborted when they disconnected
             with anyio.fail_after(SERVER_OPTIONS["client_timeout"] + 2):
-                while (stats := await client.stats()).clients != 1:  # the rogues are gone from the engine too
+                while (await client.stats()).clients != 1:  # the rogues are gone from the engine too
                     await anyio.sleep(0.05)
 
     anyio.run(idle)
