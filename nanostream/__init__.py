@@ -14,11 +14,15 @@ from nanostream.client import AsyncClient
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.errors import (
     ClientClosedError,
+    ConnectionLostError,
+    EngineBusyError,
     EngineDeadError,
     InvalidRequestError,
     ModelLoadError,
     NanostreamError,
     ProtocolError,
+    RequestFailedError,
+    RequestTimeoutError,
 )
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
@@ -41,13 +45,17 @@ __all__ = [
     "AsyncClient",
     "ClientClosedError",
     "Completion",
+    "ConnectionLostError",
+    "EngineBusyError",
     "EngineConfig",
     "EngineDeadError",
     "InvalidRequestError",
     "ModelLoadError",
     "NanostreamError",
     "ProtocolError",
+    "RequestFailedError",
     "RequestOutput",
+    "RequestTimeoutError",
     "SamplingParams",
     "ServerConfig",
     "Stream",

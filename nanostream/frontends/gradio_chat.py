@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
-from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError
+from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.sampling_params import SamplingParams
 from nanostream.stream import Stream
@@ -203,6 +203,8 @@ def build_app(
             yield _with_notice(text, _not_answering(shared.address, exc))
         except ValueError as exc:  # InvalidRequestError from the engine, or sampling values from an API call
             yield _with_notice(text, f"This request cannot run: {exc}")
+        except NanostreamError as exc:  # busy, timed out or failed in the engine: the next message may run
+            yield _with_notice(text, f"The engine did not finish this reply: {exc}")
 
     async def connect() -> None:
         """Connect when a page opens, so that its first message does not wait for it."""

@@ -14,7 +14,7 @@ import sys
 
 import anyio
 
-from nanostream.errors import EngineDeadError, InvalidRequestError
+from nanostream.errors import ConnectionLostError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 
 
@@ -73,9 +73,15 @@ class TerminalChat(Frontend):
         except InvalidRequestError as exc:
             print(f"\n[refused: {exc}]", flush=True)
             return None
+        except ConnectionLostError as exc:  # the client registers again: the next message may run
+            print(f"\n[the connection to the engine was lost: {exc}]", file=sys.stderr, flush=True)
+            return None
         except EngineDeadError as exc:
             print(f"\n[the engine is not answering: {exc}]", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        except NanostreamError as exc:  # busy, timed out, or failed in the engine
+            print(f"\n[not finished: {exc}]", flush=True)
+            return None
         finally:
             loop.remove_signal_handler(signal.SIGINT)  # back to Ctrl-C = leave
         if scope.cancelled_caught:  # leaving the stream aborted the request in the engine
