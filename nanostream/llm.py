@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from nanostream.config import EngineConfig
 from nanostream.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.errors import InvalidRequestError
+from nanostream.errors import InvalidRequestError, RequestFailedError
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
 
@@ -56,7 +56,8 @@ class LLM:
         """Generate for each prompt (a string or a list of token ids); outputs come in prompt order.
 
         Every prompt is checked before any runs: a bad one raises ``InvalidRequestError`` (a
-        ``ValueError``) and the engine is left as it was.
+        ``ValueError``) and the engine is left as it was. If a step fails (an internal error),
+        ``RequestFailedError`` is raised and nothing is left running.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts)
@@ -142,6 +143,8 @@ class LLM:
                     if out.logprobs is not None:
                         out.logprobs += delta.new_logprobs
                     reason = delta.finish_reason
+                    if reason == "error":  # a step raised (the engine logged why): the others are aborted below
+                        raise RequestFailedError(delta.error or "the engine failed the request")
                     if detok is not None:
                         out.text += detok.add(delta.new_token_ids)
                         if reason is None and detok.stopped_by is not None:

@@ -399,17 +399,30 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(qwen3_dir, ll
         engine.close()
 
 
-def test_a_failed_request_raises_request_failed_error_in_the_stream():
-    from nanostream.stream import _Mailbox
+@pytest.mark.anyio
+async def test_a_failed_step_reaches_the_stream_as_request_failed_error(qwen3_dir, llm):
+    from nanostream.engine.server import EngineServer
 
-    async def main() -> None:
-        mailbox = _Mailbox()
-        mailbox.put(p.RequestOutput("r", finish_reason="error", error="internal error: boom", code="internal"))
-        from nanostream.errors import REQUEST_ERRORS
+    address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
+    server = EngineServer(EngineConfig(model=str(qwen3_dir), **ENGINE_OPTIONS), ServerConfig(address=address))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        async with AsyncClient(address) as client:
+            launch = server.engine.runner.launch
 
-        assert REQUEST_ERRORS[mailbox.code] is RequestFailedError
+            def once(*args):
+                server.engine.runner.launch = launch
+                raise RuntimeError("a kernel blew up")
 
-    anyio.run(main)
+            server.engine.runner.launch = once
+            with pytest.raises(RequestFailedError, match="internal error.*a kernel blew up"):
+                await client.generate([1, 2, 3], **GREEDY)
+            out = await client.generate([1, 2, 3], **GREEDY)  # the engine serves on
+            assert out.token_ids == offline(llm, [1, 2, 3], **GREEDY).token_ids
+    finally:
+        server._stop.set()
+        thread.join(10)
 
 
 # ---- 9. a thread of the engine that dies takes the engine down loudly, never deaf ----------------------
@@ -448,3 +461,16 @@ async def test_a_dead_io_thread_stops_the_engine_and_every_client_hears_of_it(qw
     thread.join(10)
     assert not thread.is_alive() and isinstance(failure[0], EngineFailure), failure
     assert "thread died" in str(failure[0])
+
+
+def test_offline_generate_raises_when_a_step_fails_and_leaves_nothing_running(llm):
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda *args: (_ for _ in ()).throw(RuntimeError("a kernel blew up"))
+    try:
+        with pytest.raises(RequestFailedError, match="a kernel blew up"):
+            llm.generate([[1, 2, 3], [4, 5]], SamplingParams(**GREEDY), use_tqdm=False)
+    finally:
+        llm.engine.runner.launch = launch
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.generate([1, 2, 3], SamplingParams(**GREEDY), use_tqdm=False)[0].finish_reason == "length"
