@@ -310,10 +310,17 @@ class AsyncClient:
         next_beat = time.monotonic()
         while True:
             # Wake for the next beat, or exactly when the engine's silence reaches the timeout.
-            deadline = self._last_heard + self.timeout
-            await anyio.sleep(max(0.0, min(next_beat, deadline) - time.monotonic()))
+            wake = min(next_beat, self._last_heard + self.timeout)
+            await anyio.sleep(max(0.0, wake - time.monotonic()))
             now = time.monotonic()
+            if now - wake > interval:
+                # This process stalled (stopped, swapped, a blocked event loop), not necessarily the
+                # engine: give what it sent meanwhile two beats to arrive (it may say we were dropped).
+                self._last_heard = max(self._last_heard, now - self.timeout + 2 * interval)
             if self._lost is None and now - self._last_heard >= self.timeout:
+                if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # messages wait: read them first
+                    await anyio.sleep(0.001)
+                    continue
                 self._lose(
                     EngineDeadError(f"the engine at {self.address} sent nothing for {now - self._last_heard:.1f} s")
                 )
