@@ -338,6 +338,7 @@ class AsyncClient:
                 # What the engine sent before it went (a shutdown's terminal outputs) is still queued
                 # here: let the reader take it first, so that each stream ends with its own reason.
                 with anyio.move_on_after(1.0):
+                    await anyio.sleep(0.05)  # (it may still be on its way from ZeroMQ's I/O thread)
                     while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         await anyio.sleep(0.001)
                 self._lose(ConnectionLostError(f"lost the connection to the engine at {self.address}"))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from msgspec import Meta
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
@@ -38,8 +41,12 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop: tuple[str, ...] = field(default=())
-    stop_token_ids: tuple[int, ...] = field(default=())
+    # The limits in the annotations also hold when the engine decodes a request: an array that is
+    # too long is refused from its header, before any of it is allocated.
+    stop: Annotated[
+        tuple[Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
+    ] = field(default=())
+    stop_token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default=())
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -153,7 +153,7 @@ class Transport:
         # Bind inside a fresh 0700 directory, make the socket 0600, then move it into place: no other
         # user can connect in between, and a stale file left by a killed engine is replaced.
         check_bind_address(address, None)
-        private = Path(tempfile.mkdtemp(dir=path.parent, prefix=".nanostream-"))
+        private = Path(tempfile.mkdtemp(dir=path.parent, prefix=".ns"))  # short: ipc paths hold 107 bytes
         try:
             self._router.bind(f"ipc://{private}/s")
             os.chmod(private / "s", 0o600)
