@@ -112,6 +112,7 @@ class AsyncClient:
         self._registered = anyio.Event()
         self._connected = False  # a connection to the engine's address is up
         self._welcome: p.Welcome | None = None
+        self._last_hello = 0.0
         self.tokenizer: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -134,7 +135,8 @@ class AsyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for an engine that is not there
+        # Not IMMEDIATE: with it, ZeroMQ drops what the engine sent last (a shutdown's terminal outputs,
+        # a request's final tokens) when the connection closes, before the reader has taken it.
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
@@ -204,8 +206,8 @@ class AsyncClient:
             raise ClientClosedError("the AsyncClient is not connected: use `async with AsyncClient(...) as client`")
 
     def _send_now(self, frame: bytes) -> bool:
-        """Send without waiting; False when no connection took the frame (IMMEDIATE: nothing is queued
-        for an engine that is not there). An asyncio socket reports that in the send's future."""
+        """Send without waiting; False if ZeroMQ refused the frame (an asyncio socket reports that in
+        the send's future)."""
         future = self._sock.send(frame, flags=zmq.NOBLOCK)
         if future.done():
             return future.exception() is None
@@ -217,6 +219,10 @@ class AsyncClient:
         self._check_open()
         if self._lost is not None and not self._connected:
             raise EngineDeadError(f"not connected to an engine at {self.address} ({self._lost}); retry later")
+
+    def _send_hello(self) -> None:
+        self._last_hello = time.monotonic()
+        self._send_now(self._hello())
 
     def _hello(self) -> bytes:
         digest = self._welcome.tokenizer_digest if self._welcome is not None else None
@@ -326,7 +332,10 @@ class AsyncClient:
                 )
             if now >= next_beat:
                 next_beat = now + interval
-                self._send_now(beat if self._lost is None else self._hello())  # unregistered: keep saying hello
+                if self._lost is None:
+                    self._send_now(beat)
+                elif self._connected and now - self._last_hello >= self.timeout:  # unanswered: say it again
+                    self._send_hello()
             if self._lost is not None:
                 self._last_heard = max(self._last_heard, now)  # a lost client times nothing out
 
@@ -338,14 +347,14 @@ class AsyncClient:
                 # What the engine sent before it went (a shutdown's terminal outputs) is still queued
                 # here: let the reader take it first, so that each stream ends with its own reason.
                 with anyio.move_on_after(1.0):
-                    await anyio.sleep(0.05)  # (it may still be on its way from ZeroMQ's I/O thread)
+                    await anyio.sleep(0.01)  # (it may still be on its way from ZeroMQ's I/O thread)
                     while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         await anyio.sleep(0.001)
                 self._lose(ConnectionLostError(f"lost the connection to the engine at {self.address}"))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 if self._lost is not None:
-                    self._send_now(self._hello())
+                    self._send_hello()
 
     def _lose(self, exc: EngineDeadError) -> None:
         """The engine no longer knows this client: end every open stream with ``exc``; say hello again
@@ -356,7 +365,8 @@ class AsyncClient:
         self._lost = exc
         self._registered = anyio.Event()
         self._fail_all(exc)
-        self._send_now(self._hello())
+        if self._connected:  # else on the next connection: what is sent now would wait for it in a queue
+            self._send_hello()
 
     def _die(self, exc: BaseException) -> None:
         if self._dead is not None:
