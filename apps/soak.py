@@ -206,7 +206,7 @@ class Worker:
             data = f.read()
         whole = data[: data.rfind(b"\n") + 1]  # a line being written is read next time
         self._read += len(whole)
-        self.lines.update(json.loads(line)["ev"] for line in whole.splitlines())
+        self.lines.update(json.loads(line)["ev"] for line in whole.split(b"\n") if line)
         return self.lines
 
 
@@ -273,7 +273,11 @@ class SoakReport:
         return sum(len(r.get("ids", ())) for r in self.records)
 
     def problems(self) -> list[str]:
-        bad = [f"{n} request(s) ended {how}" for how, n in self.ended.items() if how in BAD]
+        bad = [
+            f"{n} request(s) ended {how}: {', '.join(sorted(r['key'] for r in self.records if r['how'] == how)[:5])}"
+            for how, n in self.ended.items()
+            if how in BAD
+        ]
         bad += sorted({f"error: {r['error']}" for r in self.records if r.get("error")})[:3]
         bad += self.failures + self.mismatches[:10]
         if self.idle_after_s is None:
@@ -338,7 +342,8 @@ async def drive(engine: EngineProcess, report: SoakReport, tmp: Path, workers: l
 def load_records(workers: list[Worker]) -> list[dict[str, Any]]:
     records: dict[str, dict[str, Any]] = {}
     for w in workers:
-        for line in w.out.read_text(encoding="utf-8").splitlines():
+        # split("\n"), not splitlines(): a text may hold U+2028, U+0085 and other line breaks of its own
+        for line in filter(None, w.out.read_text(encoding="utf-8").split("\n")):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # the line a SIGKILL cut short
