@@ -49,7 +49,7 @@ from nanostream import LLM, SamplingParams
 from nanostream.cli import add_engine_args
 from nanostream.cli import engine_kwargs as engine_args
 from nanostream.config import EngineConfig
-from nanostream.tiny_model import make_tiny_model
+from nanostream.testing import make_tiny_model
 
 TEMPERATURE = 0.6
 PROMPT_VOCAB = 10000  # nano-vLLM draws prompt ids below this

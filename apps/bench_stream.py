@@ -86,8 +86,8 @@ from serve_timed import StepTimer
 
 from nanostream import AsyncClient, SamplingParams
 from nanostream.cli import add_engine_args
+from nanostream.client.launch import EngineProcess
 from nanostream.config import ServerConfig
-from nanostream.engine.launch import EngineProcess
 
 WARMUP_REQUESTS = 16  # apps/bench.py's warm-up at its default --hf-batch-size
 SERVE_TIMED = Path(__file__).with_name("serve_timed.py")

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from nanostream.cli import add_engine_args, engine_kwargs
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 from nanostream.frontends.gradio_chat import GradioChat
 
 

@@ -51,7 +51,7 @@ import anyio.to_thread
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from nanostream import AsyncClient
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 from nanostream.errors import ConnectionLostError, EngineDeadError
 
 CPU_ENGINE: dict[str, Any] = dict(max_model_len=2048, kvcache_block_size=16, num_kvcache_blocks=160, device="cpu")
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nanostream-liveness-") as tmp:
         model = args.model
         if model is None:
-            from nanostream.tiny_model import make_tiny_model
+            from nanostream.testing import make_tiny_model
 
             model = str(make_tiny_model(Path(tmp) / "model"))
         scenarios = anyio.run(measure, model, cfg, Path(tmp))

@@ -43,7 +43,7 @@ import msgspec
 
 from nanostream import AsyncClient, SamplingParams, Stream, StreamChunk
 from nanostream.cli import add_engine_args, engine_kwargs
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 
 CPU_ENGINE: dict[str, Any] = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")
 WAYS = ("break", "cancel", "aclose")  # how a stream is left early
@@ -378,7 +378,7 @@ def run_soak(model: str | None, cfg: SoakConfig, engine_options: dict[str, Any] 
     with tempfile.TemporaryDirectory(prefix="nanostream-soak-") as tmp_dir:
         tmp, workers = Path(tmp_dir), []
         if model is None:
-            from nanostream.tiny_model import make_tiny_model
+            from nanostream.testing import make_tiny_model
 
             model = str(make_tiny_model(tmp / "model"))
         server = dict(client_timeout=cfg.client_timeout, heartbeat_interval=cfg.heartbeat_interval)

@@ -41,7 +41,7 @@ seed overfit: their best validation losses were 3.744 and 3.759, both at step 80
 the default.
 
 What it does: trains a byte-level BPE tokenizer on the corpus (``tokenizers``; the special tokens
-and ChatML chat template of ``nanostream.tiny_model``), wraps a seeded fraction of the documents as
+and ChatML chat template of ``nanostream.testing``), wraps a seeded fraction of the documents as
 one chat turn ("Read me Genesis chapter 1." / "Tell me a fortune." -> the document) so the chat
 frontends get answers that end with ``<|im_end|>``, holds out 2% of the documents for validation,
 and trains ``Qwen3ForCausalLM(Qwen3Config(...))`` with AdamW and a warm-up + cosine schedule (bf16
@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanostream.tiny_model import build_tokenizer
+from nanostream.testing import build_tokenizer
 
 # 12.5M parameters (the tied embedding counted once) are 25.0e6 bytes in bfloat16; the limit in
 # bytes leaves room for the safetensors header.

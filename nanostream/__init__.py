@@ -10,7 +10,7 @@ engine start quickly.
 
 from typing import TYPE_CHECKING, Any
 
-from nanostream.client import AsyncClient
+from nanostream.client import AsyncClient, Completion, Stream, StreamChunk
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.errors import (
     ClientClosedError,
@@ -26,7 +26,6 @@ from nanostream.errors import (
 )
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
-from nanostream.stream import Completion, Stream, StreamChunk
 
 if TYPE_CHECKING:
     from nanostream.llm import LLM

@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from nanostream.tiny_model import make_tiny_model
+    from nanostream.testing import make_tiny_model
 
     path = make_tiny_model(args.dir, architecture=args.architecture, seed=args.seed)
     print(f"wrote a tiny random {args.architecture} model to {path}")

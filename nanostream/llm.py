@@ -10,8 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.config import EngineConfig
-from nanostream.detokenizer import IncrementalDetokenizer, decode_output
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.errors import InvalidRequestError, RequestFailedError
 from nanostream.outputs import RequestOutput

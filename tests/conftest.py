@@ -33,7 +33,7 @@ def _patch_triton_interpreter() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_triton_interpreter()
 
-from nanostream.tiny_model import make_tiny_model  # noqa: E402
+from nanostream.testing import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

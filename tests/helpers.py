@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 
 from nanostream import AsyncClient
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from helpers import run_in_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanostream import LLM, AsyncClient, SamplingParams
+from nanostream.client.launch import EngineProcess
 from nanostream.demo_model import DEMO_MODEL_DIR, default_model_dir
-from nanostream.engine.launch import EngineProcess
 
 # Its greedy continuation. The prompt was picked because no greedy step of it is near a tie (the
 # smallest gap between the top two float32 logits over these 24 tokens is 0.19), so the text does not

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanostream.detokenizer import IncrementalDetokenizer, decode_output
-from nanostream.tiny_model import build_tokenizer
+from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output
+from nanostream.testing import build_tokenizer
 
 TEXT = "The river ran 世界 past 🚀🎉 the mill, naïve café — END of the tale 👋🏽 done"
 

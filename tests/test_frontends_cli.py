@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nanostream import LLM, SamplingParams
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 

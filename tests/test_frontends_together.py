@@ -13,7 +13,7 @@ from gradio_client import Client
 from helpers import serve_http
 
 from nanostream import LLM, AsyncClient, SamplingParams
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, build_app
 from nanostream.frontends.openai_server import create_app
 

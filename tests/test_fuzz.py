@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream import protocol as p
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 
 EXAMPLES = int(os.environ.get("NANOSTREAM_FUZZ_EXAMPLES", "1000"))
 ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")

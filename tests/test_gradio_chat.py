@@ -25,7 +25,7 @@ from helpers import run_in_thread, wait_engine_idle
 
 from nanostream import AsyncClient, SamplingParams
 from nanostream.client import ADDRESS_ENV
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 from nanostream.frontends import load
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, NOTICE_TITLE, GradioChat, build_app, conversation
 

@@ -118,7 +118,7 @@ def test_block_sizes_match_hf(qwen3_dir, hf_model_cache, block_size):
 def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from nanostream.tiny_model import build_tokenizer
+    from nanostream.testing import build_tokenizer
 
     torch.manual_seed(0)
     config = Qwen3Config(

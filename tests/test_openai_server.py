@@ -26,7 +26,7 @@ from helpers import engine_processes, serve_http, wait_engine_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanostream import LLM, AsyncClient, SamplingParams
-from nanostream.engine.launch import EngineProcess
+from nanostream.client.launch import EngineProcess
 from nanostream.frontends.openai_server import OpenAIServer, create_app
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")

@@ -26,8 +26,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import LLM, AsyncClient, InvalidRequestError, ProtocolError, SamplingParams
 from nanostream import protocol as p
-from nanostream.engine.launch import EngineProcess
-from nanostream.tiny_model import build_tokenizer, make_tiny_model
+from nanostream.client.launch import EngineProcess
+from nanostream.testing import build_tokenizer, make_tiny_model
 
 # Small, explicit KV pools: engines start fast, and a leaked block shows in the free-block count.
 # CPU engines: the subject is the protocol, and several engines run at once (also on a GPU machine).

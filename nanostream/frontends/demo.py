@@ -211,8 +211,8 @@ def run_demo(args: argparse.Namespace) -> int:
     engine = None
     address = args.engine
     if address is None:
+        from nanostream.client.launch import EngineProcess
         from nanostream.demo_model import default_model_dir
-        from nanostream.engine.launch import EngineProcess
 
         model = args.model or str(default_model_dir())
         print(f"starting an engine on {model} ...", flush=True)

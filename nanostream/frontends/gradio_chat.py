@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
+from nanostream.client.stream import Stream
 from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.sampling_params import SamplingParams
-from nanostream.stream import Stream
 
 # Gradio would otherwise report usage to its servers; an explicit setting of the user's wins.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from nanostream.client import AsyncClient
+from nanostream.client.stream import Stream, StreamChunk
 from nanostream.errors import NanostreamError
 from nanostream.frontends.openai_server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from nanostream.frontends.openai_server.metrics import Metrics
@@ -33,7 +34,6 @@ from nanostream.frontends.openai_server.protocol import (
     bad_request,
 )
 from nanostream.protocol import Usage
-from nanostream.stream import Stream, StreamChunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from nanostream.client.stream import Stream, StreamChunk
 from nanostream.errors import EngineDeadError
 from nanostream.protocol import Stats
-from nanostream.stream import Stream, StreamChunk
 
 # ---- metrics --------------------------------------------------------------------------------------
 

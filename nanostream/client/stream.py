@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import anyio
 
 from nanostream import protocol as p
-from nanostream.detokenizer import IncrementalDetokenizer
+from nanostream.client.detokenizer import IncrementalDetokenizer
 from nanostream.errors import REQUEST_ERRORS, EngineDeadError, InvalidRequestError
 from nanostream.protocol import Usage
 from nanostream.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanostream.client import AsyncClient
+    from nanostream.client.async_client import AsyncClient
 
 
 @dataclass

@@ -38,6 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
+from nanostream.client.stream import Completion, Stream, _Mailbox
 from nanostream.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -46,7 +47,6 @@ from nanostream.errors import (
     ProtocolError,
 )
 from nanostream.sampling_params import SamplingParams
-from nanostream.stream import Completion, Stream, _Mailbox
 
 log = logging.getLogger(__name__)
 
