@@ -10,10 +10,10 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output
+from nanostream.client.output_processor import OutputProcessor
 from nanostream.config import EngineConfig
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.errors import InvalidRequestError, RequestFailedError
+from nanostream.errors import InvalidRequestError
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
 
@@ -116,17 +116,10 @@ class LLM:
 
     def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
-        # Text is needed while a request runs only to find its stop strings; the others are decoded once
-        # at the end (two tokenizer calls per token would cost more host time than a GPU decode step).
-        detoks: dict[str, IncrementalDetokenizer] = {}
-        params: dict[str, SamplingParams] = {}
+        procs: dict[str, OutputProcessor] = {}
         for rid, text, ids, p in requests:
             outputs[rid] = RequestOutput(rid, text, ids, logprobs=[] if p.logprobs is not None else None)
-            params[rid] = p
-            if p.stop:
-                detoks[rid] = IncrementalDetokenizer(
-                    self.tokenizer, ids, stop=p.stop, skip_special_tokens=p.skip_special_tokens, min_tokens=p.min_tokens
-                )
+            procs[rid] = OutputProcessor(self.tokenizer, ids, p, incremental=False)
         pending = set(outputs)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
@@ -137,38 +130,23 @@ class LLM:
                 prefill_tokens += result.num_prefill_tokens
                 decode_tokens += result.num_decode_tokens
                 for delta in result.deltas:
-                    out, detok = outputs[delta.request_id], detoks.get(delta.request_id)
-                    out.token_ids += delta.new_token_ids
-                    out.num_cached_tokens = delta.num_cached_tokens
-                    if out.logprobs is not None:
-                        out.logprobs += delta.new_logprobs
-                    reason = delta.finish_reason
-                    if reason == "error":  # a step raised (the engine logged why): the others are aborted below
-                        raise RequestFailedError(delta.error or "the engine failed the request")
-                    if detok is not None:
-                        out.text += detok.add(delta.new_token_ids)
-                        if reason is None and detok.stopped_by is not None:
-                            self.engine.abort(delta.request_id, "stop")
-                            reason = "stop"
-                    if reason is None:
+                    proc = procs[delta.request_id]
+                    proc.put(delta)
+                    chunk = proc.take()  # raises for a request the engine failed; the rest are aborted below
+                    if proc.abort:  # a stop string ended it
+                        self.engine.abort(delta.request_id, "stop")
+                    if chunk is None:
                         continue
-                    if detok is not None:
-                        out.text += detok.finish()
-                    else:
-                        p = params[delta.request_id]
-                        out.text = decode_output(
-                            self.tokenizer,
-                            out.prompt_token_ids,
-                            out.token_ids,
-                            skip_special_tokens=p.skip_special_tokens,
-                        )
-                    out.finish_reason = reason
-                    if detok is not None and detok.stopped_by is not None:
-                        out.stop_reason = detok.stopped_by
-                    elif reason == "stop":
-                        out.stop_reason = out.token_ids[-1]
-                    pending.discard(delta.request_id)
-                    bar.update(1)
+                    out = outputs[delta.request_id]
+                    out.token_ids += chunk.token_ids
+                    out.text += chunk.text
+                    if out.logprobs is not None:
+                        out.logprobs += chunk.logprobs
+                    if chunk.finish_reason is not None:
+                        out.finish_reason, out.stop_reason = chunk.finish_reason, proc.stop_reason
+                        out.num_cached_tokens = chunk.usage.cached_tokens
+                        pending.discard(delta.request_id)
+                        bar.update(1)
                 elapsed = time.perf_counter() - start
                 bar.set_postfix_str(
                     f"prefill {prefill_tokens / elapsed:.0f} tok/s, decode {decode_tokens / elapsed:.0f} tok/s"

@@ -5,7 +5,7 @@
                                         ◀──       Welcome(model, max_model_len, tokenizer files, ...)
                                                   (or a fatal Error: wrong version or token)
     Add(request_id, prompt ids, params) ──▶
-                                        ◀──       Outputs([RequestOutput, ...])  one per engine step
+                                        ◀──       Outputs([RequestDelta, ...])   one per engine step
     Abort([request_id, ...])            ──▶                                      (per client)
     GetStats()                          ──▶
                                         ◀──       Stats(running, waiting, free blocks, ...)
@@ -16,7 +16,7 @@
 
 Each message is one ZeroMQ frame: a msgpack map whose "type" field names the struct. Decoding is
 into these structs only (never pickle); anything else is a ``ProtocolError``. Every request gets
-exactly one ``RequestOutput`` with a ``finish_reason``: "stop", "length", "abort" or "error"; an
+exactly one ``RequestDelta`` with a ``finish_reason``: "stop", "length", "abort" or "error"; an
 "error" carries a ``code`` ("invalid", "busy", "timeout", "internal") that the client turns into
 its exception (``errors.REQUEST_ERRORS``). An ``Error`` with code "unregistered" or "dropped" tells
 a client that the engine does not know it (any more): it ends its open streams and says hello again.
@@ -107,8 +107,13 @@ class Usage(msgspec.Struct, omit_defaults=True):
     cached_tokens: int = 0
 
 
-class RequestOutput(msgspec.Struct, omit_defaults=True):
-    """New tokens of one request since the last message; ``finish_reason`` set on the last one."""
+class RequestDelta(msgspec.Struct, omit_defaults=True):
+    """New tokens of one request since its last delta; ``finish_reason`` set on its last one.
+
+    The one type for a request's progress: ``LLMEngine.step()`` returns them, the engine process
+    sends them (merged, with ``stream_interval``), and the client's output processor reads them.
+    ``usage`` comes on a request's first delta (prompt and cached tokens) and on its last.
+    """
 
     request_id: str
     token_ids: list[int] = []
@@ -116,11 +121,19 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # why, for "error" (and for an abort the engine decided)
     code: str | None = None  # for "error": "invalid" | "busy" | "timeout" | "internal"; "shutdown" for an abort
-    usage: Usage | None = None  # on the last message
+    usage: Usage | None = None
+
+    def merge(self, later: RequestDelta) -> None:
+        """Take ``later`` (of the same request) into this one: what a reader that falls behind sees."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.usage = later.usage or self.usage
+        if later.finish_reason is not None:
+            self.finish_reason, self.error, self.code = later.finish_reason, later.error, later.code
 
 
 class Outputs(_Message, tag="outputs"):
-    outputs: list[RequestOutput]
+    outputs: list[RequestDelta]
 
 
 class Stats(_Message, tag="stats"):
@@ -203,5 +216,5 @@ def refusal(frame: bytes | memoryview, error: ProtocolError) -> Error | Outputs:
     except Exception:  # any failure at all: the plain Error below
         head = None
     if head is not None and head.type == "add":
-        return Outputs([RequestOutput(head.request_id, finish_reason="error", error=str(error), code="invalid")])
+        return Outputs([RequestDelta(head.request_id, finish_reason="error", error=str(error), code="invalid")])
     return Error(str(error), code="malformed")

@@ -110,9 +110,9 @@ class Peer:
     async def hello(self, **fields) -> p.EngineMessage | None:
         return await self.request(p.encode(p.Hello(**{"protocol_version": p.PROTOCOL_VERSION, **fields})))
 
-    async def outputs(self, finished: int = 1, timeout: float = 20.0) -> list[p.RequestOutput]:
+    async def outputs(self, finished: int = 1, timeout: float = 20.0) -> list[p.RequestDelta]:
         """Every RequestOutput of the next Outputs messages, until ``finished`` of them carried a finish_reason."""
-        got: list[p.RequestOutput] = []
+        got: list[p.RequestDelta] = []
         with anyio.fail_after(timeout):
             while sum(out.finish_reason is not None for out in got) < finished:
                 message = await self.recv(timeout)
@@ -178,8 +178,8 @@ ROUND_TRIP = [
     p.Welcome(1, "e", "m", 256, 512, [0], "0a1b", {"tokenizer.json": b"\x00\xff{}"}, None, 1.0, 10.0, 4096),
     p.Outputs(
         [
-            p.RequestOutput("r1", [5, 6], [{5: -0.1}, {6: -0.2, 7: -3.0}]),
-            p.RequestOutput("r2", [], finish_reason="error", error="bad", code="busy", usage=p.Usage(3, 0, 1)),
+            p.RequestDelta("r1", [5, 6], [{5: -0.1}, {6: -0.2, 7: -3.0}]),
+            p.RequestDelta("r2", [], finish_reason="error", error="bad", code="busy", usage=p.Usage(3, 0, 1)),
         ]
     ),
     p.Stats(1, 2, 3, 4, 5, {"c": 1}),

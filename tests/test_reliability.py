@@ -389,7 +389,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(qwen3_dir, ll
         engine.add_request("c", [1, 2, 3], SamplingParams(**GREEDY))  # and the next request runs exactly
         tokens = []
         while engine.has_unfinished():
-            tokens += [t for d in engine.step().deltas for t in d.new_token_ids]
+            tokens += [t for d in engine.step().deltas for t in d.token_ids]
         assert tokens == offline(llm, [1, 2, 3], **GREEDY).token_ids
 
         engine.runner.launch = lambda *args: (_ for _ in ()).throw(RuntimeError("the device is gone"))

@@ -52,7 +52,7 @@ def test_rejection_midway_leaves_running_requests_untouched(qwen3_dir):
                 with pytest.raises(InvalidRequestError, match="already in use"):
                     eng.add_request("a", [1, 2], GREEDY)
             for d in eng.step().deltas:
-                out[d.request_id] += d.new_token_ids
+                out[d.request_id] += d.token_ids
             step += 1
         return out
 

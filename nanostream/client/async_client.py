@@ -38,7 +38,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
-from nanostream.client.stream import Completion, Stream, _Mailbox
+from nanostream.client.stream import Stream, _Mailbox
 from nanostream.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -46,6 +46,7 @@ from nanostream.errors import (
     InvalidRequestError,
     ProtocolError,
 )
+from nanostream.outputs import Completion
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -387,8 +388,14 @@ class AsyncClient:
     # ---- requests --------------------------------------------------------------------------------
 
     async def _submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None
-    ) -> _Mailbox:
+        self,
+        mailbox: _Mailbox,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        timeout: float | None,
+    ) -> None:
+        """Send one request; the reader fills ``mailbox`` with its deltas from now on."""
         frame = p.encode(p.Add(request_id, prompt_token_ids, params, timeout))
         limit = self._welcome.max_request_bytes
         if len(frame) > limit:
@@ -398,8 +405,7 @@ class AsyncClient:
         await self._ready()
         if not self._send_now(frame):
             raise ConnectionLostError(f"lost the connection to the engine at {self.address}; nothing was sent")
-        mailbox = self._mailboxes[request_id] = _Mailbox()
-        return mailbox
+        self._mailboxes[request_id] = mailbox
 
     def _forget(self, request_id: str) -> None:
         self._mailboxes.pop(request_id, None)
@@ -467,15 +473,9 @@ class AsyncClient:
         **sampling_kwargs: Any,
     ) -> Completion:
         """The whole completion of ``prompt``."""
-        text, ids, logprobs, last = [], [], [], None
         async with self.stream(prompt, sampling_params, timeout=timeout, **sampling_kwargs) as stream:
-            async for chunk in stream:
-                text.append(chunk.text)
-                ids += chunk.token_ids
-                logprobs += chunk.logprobs or []
-                last = chunk
-        lps = logprobs if stream.params.logprobs is not None else None
-        return Completion(stream.request_id, "".join(text), ids, last.finish_reason, last.usage, lps)
+            chunks = [chunk async for chunk in stream]
+        return Completion.of(stream.request_id, chunks, logprobs=stream.params.logprobs is not None)
 
     async def stats(self) -> p.Stats:
         """The engine's counters: running and waiting requests, free KV blocks, clients."""

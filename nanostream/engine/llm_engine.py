@@ -12,7 +12,7 @@ import gc
 import json
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +22,10 @@ from nanostream.config import EngineConfig
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
-from nanostream.engine.sequence import Sequence
+from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.errors import InvalidRequestError, ModelLoadError
 from nanostream.models.loader import resolve_model_path
+from nanostream.protocol import RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,19 +33,6 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 """Steps in a row that may raise before ``step()`` gives up: past this the device or the engine is
 broken (a sticky CUDA error), not one request."""
-
-
-@dataclass
-class RequestDelta:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None  # why, for "error"
 
 
 @dataclass
@@ -177,7 +165,7 @@ class LLMEngine:
         seq = self.scheduler.finish(request_id, reason)
         if seq is None:
             return None
-        return RequestDelta(request_id, [], reason, [], seq.num_prompt_tokens, seq.num_cached_tokens)
+        return RequestDelta(request_id, finish_reason=reason, usage=_usage(seq))
 
     def has_unfinished(self) -> bool:
         return len(self.scheduler) > 0
@@ -207,7 +195,7 @@ class LLMEngine:
         for rid in dict.fromkeys(c.seq.request_id for c in chunks):
             seq = self.scheduler.finish(rid, "error")
             if seq is not None:
-                deltas.append(RequestDelta(rid, [], "error", [], seq.num_prompt_tokens, seq.num_cached_tokens, error))
+                deltas.append(RequestDelta(rid, finish_reason="error", error=error, code="internal", usage=_usage(seq)))
         return StepResult(deltas, 0, 0)
 
     def _step(self) -> StepResult:
@@ -240,14 +228,15 @@ class LLMEngine:
             token = sampled[seq.request_id]
             if token.logprobs is not None:
                 seq.logprobs.append(token.logprobs)
-            deltas.append(
-                RequestDelta(
-                    seq.request_id,
-                    [token.token_id],
-                    seq.finish_reason,
-                    [token.logprobs] if token.logprobs is not None else [],
-                    seq.num_prompt_tokens,
-                    seq.num_cached_tokens,
-                )
-            )
+            delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
+            if not seq.reported or seq.finish_reason is not None:
+                delta.usage, seq.reported = _usage(seq), True  # on the first (prompt, cached tokens) and the last
+            delta.finish_reason = seq.finish_reason
+            deltas.append(delta)
         return deltas
+
+
+def _usage(seq: Sequence) -> Usage:
+    # Output tokens still PENDING (sampled by a step in flight) are not counted.
+    generated = sum(1 for t in seq.output_token_ids if t != PENDING)
+    return Usage(seq.num_prompt_tokens, generated, seq.num_cached_tokens)

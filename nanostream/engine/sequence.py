@@ -49,6 +49,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.logprobs: list[dict[int, float]] = []
         self.admitted = False
+        self.reported = False  # the engine has returned a delta for it (the first carries usage)
         self.queued_tokens = 0  # what it adds to the scheduler's num_waiting_tokens while it waits
         self.stopping = False  # its pending token reaches max_tokens or max_model_len: not scheduled again
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
-from nanostream.engine.llm_engine import LLMEngine, RequestDelta
+from nanostream.engine.llm_engine import LLMEngine
 from nanostream.engine.transport import DISCONNECTED, NOT_READING, Transport, check_bind_address, default_address
 from nanostream.errors import InvalidRequestError
 
@@ -77,15 +77,18 @@ class _Client:
 
 @dataclass
 class _Pending:
-    """Tokens of one request not yet sent (stream_interval > 1 batches them)."""
+    """What one request owes its client: the delta being gathered (stream_interval > 1 batches them)."""
 
     identity: bytes
-    request_id: str
+    request_id: str  # the client's id for it
     num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    buffer: p.RequestDelta
     num_generated: int = 0
     sent_any: bool = False
+
+    def take(self) -> p.RequestDelta:
+        out, self.buffer, self.sent_any = self.buffer, p.RequestDelta(self.request_id), True
+        return out
 
 
 class EngineServer:
@@ -244,26 +247,26 @@ class EngineServer:
         rid, n = add.request_id, len(add.prompt_token_ids)
         if not rid or rid in client.requests:
             reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=reason, code="invalid"))
+            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=reason, code="invalid"))
             return
         busy = self._busy(client, n)
         if busy is not None:
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=busy, code="busy"))
+            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=busy, code="busy"))
             return
         engine_id = f"{client.name}/{rid}"
         try:
             self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
         except InvalidRequestError as exc:
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=str(exc), code="invalid"))
+            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=str(exc), code="invalid"))
             return
         except Exception as exc:  # a bug must not take the engine down with it
             log.exception("adding request %s failed", engine_id)
             error = f"internal error: {exc}"
-            self._emit(client.identity, p.RequestOutput(rid, finish_reason="error", error=error, code="internal"))
+            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=error, code="internal"))
             return
         client.requests.add(rid)
         client.prompt_tokens += n
-        self.pending[engine_id] = _Pending(client.identity, rid, n)
+        self.pending[engine_id] = _Pending(client.identity, rid, n, p.RequestDelta(rid))
         if add.timeout is not None:
             heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
 
@@ -287,46 +290,34 @@ class EngineServer:
             )
         return None
 
-    def _route(self, deltas: list[RequestDelta]) -> None:
+    def _route(self, deltas: list[p.RequestDelta]) -> None:
         interval = self.config.stream_interval
         for delta in deltas:
             pend = self.pending.get(delta.request_id)
             if pend is None:
                 continue
-            pend.token_ids += delta.new_token_ids
-            pend.logprobs += delta.new_logprobs
-            pend.num_generated += len(delta.new_token_ids)
+            pend.buffer.merge(delta)
+            pend.num_generated += len(delta.token_ids)
+            # The first delta also carries usage so far (prompt and cached tokens), for a client that
+            # ends the request itself (a stop string) and so never sees the last one.
             if delta.finish_reason is not None:
-                usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
-                code = "internal" if delta.finish_reason == "error" else None
-                self._close(delta.request_id, pend, delta.finish_reason, delta.error, usage, code)
-            elif not pend.sent_any or len(pend.token_ids) >= interval:
-                # The first output also carries usage so far (prompt and cached tokens), for a client
-                # that ends the request itself (stop string) and so never sees the last one.
-                usage = (
-                    None
-                    if pend.sent_any
-                    else p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens)
-                )
-                self._emit(pend.identity, p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, usage=usage))
-                pend.token_ids, pend.logprobs, pend.sent_any = [], [], True
+                self._close(delta.request_id, pend)
+            elif not pend.sent_any or len(pend.buffer.token_ids) >= interval:
+                self._emit(pend.identity, pend.take())
 
-    def _close(
-        self,
-        engine_id: str,
-        pend: _Pending,
-        reason: str,
-        error: str | None,
-        usage: p.Usage | None,
-        code: str | None = None,
-    ) -> None:
+    def _close(self, engine_id: str, pend: _Pending, reason: str | None = None, **why: str | None) -> None:
+        """Send a request's last delta (``reason`` and ``why``: it ends now, as the engine did not decide)."""
         del self.pending[engine_id]
         client = self.clients.get(pend.identity)
         if client is not None:
             client.requests.discard(pend.request_id)
             client.prompt_tokens -= pend.num_prompt_tokens
-        output = p.RequestOutput(pend.request_id, pend.token_ids, pend.logprobs, reason, error, code, usage)
-        self._emit(pend.identity, output)
+        last = pend.take()
+        if reason is not None:
+            last.finish_reason, last.error, last.code = reason, why.get("error"), why.get("code")
+        if last.usage is not None:  # what was sent, not what a step in flight may still sample
+            last.usage = p.Usage(last.usage.prompt_tokens, pend.num_generated, last.usage.cached_tokens)
+        self._emit(pend.identity, last)
 
     def _finish(
         self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool, code: str | None = None
@@ -338,8 +329,9 @@ class EngineServer:
         if pend is None:
             return
         if notify:
-            usage = p.Usage(delta.num_prompt_tokens, pend.num_generated, delta.num_cached_tokens) if delta else None
-            self._close(engine_id, pend, reason, error, usage, code)
+            if delta is not None:
+                pend.buffer.usage = delta.usage
+            self._close(engine_id, pend, reason, error=error, code=code)
         else:
             del self.pending[engine_id]
             client = self.clients.get(identity)
@@ -402,7 +394,7 @@ class EngineServer:
         log.info("shutting down: ending %d open request(s)", len(self.pending))
         for engine_id, pend in list(self.pending.items()):
             self.engine.abort(engine_id)
-            self._close(engine_id, pend, "abort", reason, None, "shutdown")
+            self._close(engine_id, pend, "abort", error=reason, code="shutdown")
         self._flush()
         for identity in self.clients:
             self._send(identity, p.Shutdown(reason))

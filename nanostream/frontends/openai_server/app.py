@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from nanostream.client import AsyncClient
-from nanostream.client.stream import Stream, StreamChunk
+from nanostream.client.stream import Stream
 from nanostream.errors import NanostreamError
 from nanostream.frontends.openai_server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from nanostream.frontends.openai_server.metrics import Metrics
@@ -33,6 +33,7 @@ from nanostream.frontends.openai_server.protocol import (
     api_error,
     bad_request,
 )
+from nanostream.outputs import Completion, StreamChunk
 from nanostream.protocol import Usage
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class _Reply:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     offsets: TextOffsets = dataclasses.field(default_factory=TextOffsets)  # for completions' logprobs
 
-    def whole(self, chunk: StreamChunk) -> dict[str, Any]:
+    def whole(self, chunk: Completion) -> dict[str, Any]:
         """The non-streaming response, from every chunk merged into one."""
         return self._object([self._choice(chunk, "message")], usage=chunk.usage)
 
@@ -86,7 +87,7 @@ class _Reply:
             out["usage"] = _usage(usage)
         return out
 
-    def _choice(self, chunk: StreamChunk, key: str) -> dict[str, Any]:
+    def _choice(self, chunk: StreamChunk | Completion, key: str) -> dict[str, Any]:
         if self.chat:
             message = {"role": "assistant", "content": chunk.text} if key == "message" else {"content": chunk.text}
             choice: dict[str, Any] = {"index": 0, key: message, "logprobs": None}
@@ -212,7 +213,7 @@ class _Server:
         reply = _Reply(chat, self.served_model_name, stream.request_id, self.tokens, top_logprobs)
         chunks = self.metrics.timed(stream, "chat" if chat else "completions")
         if not body.stream:
-            got = await _unless_disconnected(request, lambda: _merged(chunks))
+            got = await _unless_disconnected(request, lambda: _merged(stream, chunks))
             return JSONResponse(reply.whole(got)) if got is not None else Response(status_code=499)
         # The first chunk before the first byte: a rejected request is still a plain HTTP error.
         first = await _unless_disconnected(request, chunks.__anext__)
@@ -263,15 +264,9 @@ class _Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _merged(chunks: AsyncIterator[StreamChunk]) -> StreamChunk:
-    """Every chunk of a stream as one: all text, ids and logprobs; the last one's finish reason and usage."""
-    text, ids, logprobs = [], [], []
-    async for chunk in chunks:
-        text.append(chunk.text)
-        ids += chunk.token_ids
-        logprobs += chunk.logprobs or []
-    asked = chunk.logprobs is not None  # a list (maybe empty) on every chunk when logprobs were asked for
-    return StreamChunk("".join(text), ids, chunk.finish_reason, chunk.usage, logprobs if asked else None)
+async def _merged(stream: Stream, chunks: AsyncIterator[StreamChunk]) -> Completion:
+    """Every chunk of a stream as one, as ``AsyncClient.generate`` merges them."""
+    return Completion.of(stream.request_id, [chunk async for chunk in chunks], stream.params.logprobs is not None)
 
 
 def create_app(
