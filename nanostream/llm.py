@@ -132,6 +132,8 @@ class LLM:
                 for delta in result.deltas:
                     proc = procs[delta.request_id]
                     proc.put(delta)
+                    if proc.detok is None and delta.finish_reason is None:
+                        continue  # no stop strings: its deltas merge, and are decoded once at the end
                     chunk = proc.take()  # raises for a request the engine failed; the rest are aborted below
                     if proc.abort:  # a stop string ended it
                         self.engine.abort(delta.request_id, "stop")
