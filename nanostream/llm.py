@@ -42,11 +42,6 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
         self._ids = itertools.count()
 
-    def __del__(self) -> None:
-        engine = getattr(self, "engine", None)  # absent when start-up failed
-        if engine is not None:
-            engine.close()
-
     def generate(
         self,
         prompts: Prompt | SequenceABC[Prompt],

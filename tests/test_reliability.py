@@ -366,40 +366,37 @@ async def test_a_request_timeout_aborts_it_in_the_engine(engines):
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(qwen3_dir, llm):
     engine = LLMEngine(EngineConfig(model=str(qwen3_dir), **ENGINE_OPTIONS))
-    try:
-        launch, calls = engine.runner.launch, []
+    launch, calls = engine.runner.launch, []
 
-        def flaky(chunks, *args):
-            calls.append(len(calls))
-            if len(calls) == 3:
-                raise RuntimeError("a kernel blew up")
-            return launch(chunks, *args)
+    def flaky(chunks, *args):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("a kernel blew up")
+        return launch(chunks, *args)
 
-        engine.runner.launch = flaky
-        engine.add_request("a", [1, 2, 3], SamplingParams(**GREEDY))
-        engine.add_request("b", [4, 5, 6], SamplingParams(**GREEDY))
-        ends = {}
-        while engine.has_unfinished():
-            for delta in engine.step().deltas:
-                if delta.finish_reason:
-                    ends[delta.request_id] = (delta.finish_reason, delta.error)
-        assert ends["a"][0] == ends["b"][0] == "error" and "a kernel blew up" in ends["a"][1]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.runner.launch = flaky
+    engine.add_request("a", [1, 2, 3], SamplingParams(**GREEDY))
+    engine.add_request("b", [4, 5, 6], SamplingParams(**GREEDY))
+    ends = {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            if delta.finish_reason:
+                ends[delta.request_id] = (delta.finish_reason, delta.error)
+    assert ends["a"][0] == ends["b"][0] == "error" and "a kernel blew up" in ends["a"][1]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
-        engine.add_request("c", [1, 2, 3], SamplingParams(**GREEDY))  # and the next request runs exactly
-        tokens = []
-        while engine.has_unfinished():
-            tokens += [t for d in engine.step().deltas for t in d.token_ids]
-        assert tokens == offline(llm, [1, 2, 3], **GREEDY).token_ids
+    engine.add_request("c", [1, 2, 3], SamplingParams(**GREEDY))  # and the next request runs exactly
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step().deltas for t in d.token_ids]
+    assert tokens == offline(llm, [1, 2, 3], **GREEDY).token_ids
 
-        engine.runner.launch = lambda *args: (_ for _ in ()).throw(RuntimeError("the device is gone"))
-        engine.add_request("d", [1, 2, 3], SamplingParams(**GREEDY))
-        with pytest.raises(RuntimeError, match="the device is gone"):
-            for _ in range(MAX_FAILED_STEPS):
-                engine.add_request(f"e{_}", [1, 2, 3], SamplingParams(**GREEDY))
-                engine.step()
-    finally:
-        engine.close()
+    engine.runner.launch = lambda *args: (_ for _ in ()).throw(RuntimeError("the device is gone"))
+    engine.add_request("d", [1, 2, 3], SamplingParams(**GREEDY))
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        for _ in range(MAX_FAILED_STEPS):
+            engine.add_request(f"e{_}", [1, 2, 3], SamplingParams(**GREEDY))
+            engine.step()
 
 
 @pytest.mark.anyio

@@ -8,7 +8,6 @@ returns the previous step's tokens.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import random
@@ -75,7 +74,6 @@ class LLMEngine:
         self.config = config = config.resolve(
             max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
         )
-        torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, hf_config, self.model_path)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = read_eos_token_ids(self.model_path, hf_config)
@@ -101,16 +99,9 @@ class LLMEngine:
             self.block_manager.num_blocks,
             config.kvcache_block_size,
         )
-        # What exists now (torch, the model, compiled kernels, graphs) lives as long as the engine: keep it
-        # out of the collector's full passes, which otherwise walk all of it mid-serving (a 280 ms step on
-        # an H200, with Triton and torch.compile loaded). close() hands it back.
-        gc.collect()
-        gc.freeze()
-
-    def close(self) -> None:
-        """Give the objects frozen at start-up back to the collector, so that this engine, once unreferenced,
-        is freed with its reference cycles (the model runner holds its graphs, which hold the runner)."""
-        gc.unfreeze()
+        # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
+        # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms
+        # on an H200); a program of one's own may do the same after building its LLM.
 
     @property
     def max_model_len(self) -> int:

@@ -14,7 +14,6 @@ client's liveness by its heartbeats, counted from its hello.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import heapq
 import hmac
@@ -139,10 +138,6 @@ class EngineServer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: self._stop.set())
-        # Everything loaded so far (model, tokenizer: ~10^5 objects) lives for the whole run; keep
-        # the collector from rescanning it, which otherwise pauses the loop for ~100 ms at a time.
-        gc.collect()
-        gc.freeze()
         if ready is not None:
             ready(self.address)
         next_beat = time.monotonic()

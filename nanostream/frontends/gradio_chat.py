@@ -26,15 +26,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import gradio as gr
+
 from nanostream.client import ADDRESS_ENV, AsyncClient
 from nanostream.client.stream import Stream
 from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.sampling_params import SamplingParams
-
-# Gradio would otherwise report usage to its servers; an explicit setting of the user's wins.
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-import gradio as gr
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +227,7 @@ def build_app(
         additional_inputs_accordion=gr.Accordion("Settings", open=False),
         concurrency_limit=None,  # every session streams at once: the engine batches them
         flagging_mode="never",
-        analytics_enabled=False,
+        analytics_enabled=False,  # Gradio would report usage to its servers (and check for updates)
         api_name="chat",
     )
     with app:
