@@ -136,6 +136,25 @@ class Outputs(_Message, tag="outputs"):
     outputs: list[RequestDelta]
 
 
+STEP_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+"""Upper bounds (ms) of ``EngineStats.step_ms_buckets``; a last bucket counts the steps above them all."""
+
+
+class EngineStats(msgspec.Struct):
+    """An engine's counters since it started: the figures of a window are the differences of two readings."""
+
+    steps: dict[str, int]  # by kind: "prefill" (prompt chunks only), "decode" (decodes only), "mixed"
+    step_seconds: float  # wall time spent in LLMEngine.step, summed
+    step_ms_buckets: list[int]  # steps by wall time, one count per STEP_MS_BUCKETS bound and one beyond
+    scheduled_requests: int  # requests in each step, summed (/ steps: the mean batch)
+    prompt_tokens: int  # prompt tokens computed (a preempted request's again)
+    generation_tokens: int  # tokens sampled
+    preemptions: int
+    prefix_cache_queries: int  # prompt tokens of the requests admitted so far
+    prefix_cache_hits: int  # of them, found in the prefix cache
+    finished: dict[str, int]  # requests by finish reason
+
+
 class Stats(_Message, tag="stats"):
     running: int
     waiting: int
@@ -145,6 +164,7 @@ class Stats(_Message, tag="stats"):
     requests_by_client: dict[str, int]  # open requests of each connected client (by client id)
     waiting_tokens: int = 0  # prompt tokens of the waiting requests
     dropped_clients: int = 0  # clients dropped so far: silent too long, or disconnected with requests open
+    engine: EngineStats | None = None
 
 
 class Error(_Message, tag="error"):

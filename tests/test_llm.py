@@ -204,3 +204,25 @@ def test_an_llm_leaves_the_collector_as_it_found_it_and_is_freed_with_its_last_r
         assert gc.get_freeze_count() > frozen // 2, "deleting the LLM un-froze the caller's objects"
     finally:
         gc.unfreeze()
+
+
+def test_engine_stats_count_steps_tokens_finishes_and_prefix_hits(qwen3_dir):
+    engine = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16).engine
+    shared = list(range(20, 60))  # two full blocks and more
+    engine.add_request("a", shared, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", shared + [7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.add_request("c", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort("c")
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert stats.generation_tokens == 4 + 6  # c's first token was in flight when it was aborted: dropped
+    assert stats.finished == {"length": 2, "abort": 1}
+    assert stats.prefix_cache_queries == 40 + 41 + 3 and stats.prefix_cache_hits == 32  # b reuses a's 2 blocks
+    assert stats.prompt_tokens == 40 + (41 - 32) + 3
+    assert sum(stats.steps.values()) == sum(stats.step_ms_buckets) and stats.step_seconds > 0
+    assert set(stats.steps) <= {"prefill", "decode", "mixed"} and stats.steps.get("decode", 0) >= 3
+    assert stats.scheduled_requests >= sum(stats.steps.values())

@@ -392,3 +392,11 @@ def test_health_and_metrics(url, api, model):
     assert after[("nanostream_requests_running", ())] == after[("nanostream_requests_waiting", ())] == 0
     assert after[("nanostream_kv_cache_usage", ())] == 0
     assert after[("nanostream_engine_up", ())] == 1
+    # the engine's step and cache counters: two requests of 5 tokens each ran
+    steps = sum(grew("nanostream_engine_steps", kind=k) for k in ("prefill", "decode", "mixed"))
+    assert 5 <= steps <= 10 and grew("nanostream_engine_step_seconds") > 0
+    assert grew("nanostream_prefix_cache_queries") == chat.usage.prompt_tokens + text.usage.prompt_tokens
+    hits = chat.usage.prompt_tokens_details.cached_tokens + text.usage.prompt_tokens_details.cached_tokens
+    assert grew("nanostream_prefix_cache_hits") == hits
+    assert 0 < after[("nanostream_engine_step_seconds_quantile", (("quantile", "0.5"),))] < 10
+    assert after[("nanostream_engine_mean_batch_size", ())] >= 1

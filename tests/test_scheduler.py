@@ -21,6 +21,13 @@ BS = 4  # tokens per block in these tests
 STOP = 7  # a stop token id that next_token never produces
 
 
+def update(sched: Scheduler, chunks: list, sampled: dict[str, int]) -> list:
+    """A step whose samples are known at once: launched() then resolve(); the sequences that finished."""
+    sched.launched(chunks)
+    return [seq for seq in sched.resolve(chunks, sampled) if seq.is_finished]
+
+
+
 def next_token(context: list[int]) -> int:
     """The fake model: a greedy LM whose next token depends on every token of the context."""
     return 1000 + sum((i + 1) * t for i, t in enumerate(context)) % 997
@@ -114,7 +121,7 @@ def check_pool(sched: Scheduler) -> None:
 def step(sched: Scheduler, model: FakeModel) -> tuple[list[ScheduledChunk], list[Sequence]]:
     """One engine step, checking the limits every step must respect."""
     chunks = checked_schedule(sched)
-    finished = sched.update(chunks, model.execute(chunks))
+    finished = update(sched, chunks, model.execute(chunks))
     check_pool(sched)
     return chunks, finished
 
@@ -191,7 +198,7 @@ def test_a_chunked_prompt_samples_only_after_its_last_chunk():
         samples.append(chunk.samples)  # read before update() advances the sequence
         sampled = model.execute([chunk])
         assert sampled.keys() == ({"a"} if chunk.samples else set())
-        sched.update([chunk], sampled)
+        update(sched, [chunk], sampled)
     assert chunks == [8, 8, 4]
     assert samples == [False, False, True]
     assert seq.num_output_tokens == 1
@@ -387,7 +394,7 @@ def test_duplicate_request_id_is_rejected():
 def test_nothing_to_schedule_gives_an_empty_step():
     sched = make_scheduler()
     assert sched.schedule() == []
-    assert sched.update([], {}) == []
+    assert update(sched, [], {}) == []
 
 
 def _bring_to(state: str, sched: Scheduler, model: FakeModel) -> Sequence:
@@ -452,7 +459,7 @@ def scripted(sched: Scheduler, script: dict[str, list[int]]) -> list[Sequence]:
             return finished
         chunks = sched.schedule()
         sampled = {c.seq.request_id: script[c.seq.request_id].pop(0) for c in chunks if c.samples}
-        finished += sched.update(chunks, sampled)
+        finished += update(sched, chunks, sampled)
     raise AssertionError("did not finish")
 
 

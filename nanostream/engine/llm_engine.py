@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,10 @@ from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import PENDING, Sequence
+from nanostream.engine.stats import StepCounters
 from nanostream.errors import InvalidRequestError, ModelLoadError
 from nanostream.models.loader import resolve_model_path
-from nanostream.protocol import RequestDelta, Usage
+from nanostream.protocol import EngineStats, RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class StepResult:
     deltas: list[RequestDelta]
     num_prefill_tokens: int  # prompt tokens computed this step (chunks that did not only decode)
     num_decode_tokens: int
+    num_requests: int = 0  # requests in the step
 
 
 def read_eos_token_ids(model_path: Path, hf_config) -> frozenset[int]:
@@ -91,6 +94,7 @@ class LLMEngine:
         self._scheduled: list[ScheduledChunk] = []  # this step's chunks, until it is in flight
         self._deltas: list[RequestDelta] = []  # this step's output so far
         self._failed_steps = 0  # in a row
+        self._counters = StepCounters()
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.model_path,
@@ -156,7 +160,17 @@ class LLMEngine:
         seq = self.scheduler.finish(request_id, reason)
         if seq is None:
             return None
+        self._counters.finished[reason] += 1
         return RequestDelta(request_id, finish_reason=reason, usage=_usage(seq))
+
+    def stats(self) -> EngineStats:
+        """The engine's counters since it started (steps, step time, tokens, preemptions, prefix cache)."""
+        sched = self.scheduler
+        return self._counters.snapshot(
+            preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.num_prefix_queries,
+            prefix_cache_hits=sched.num_prefix_hits,
+        )
 
     def has_unfinished(self) -> bool:
         return len(self.scheduler) > 0
@@ -167,6 +181,7 @@ class LLMEngine:
         If stepping raises, the requests of the failed step (and of the one in flight) end with
         finish_reason "error" and the engine serves on; after ``MAX_FAILED_STEPS`` failures in a row
         the exception propagates."""
+        start = time.perf_counter()
         try:
             result = self._step()
         except Exception as exc:
@@ -175,6 +190,9 @@ class LLMEngine:
                 raise
             return self._fail_step(exc)
         self._failed_steps = 0
+        self._counters.step(
+            time.perf_counter() - start, result.num_requests, result.num_prefill_tokens, result.num_decode_tokens
+        )
         return result
 
     def _fail_step(self, exc: Exception) -> StepResult:
@@ -186,6 +204,7 @@ class LLMEngine:
         for rid in dict.fromkeys(c.seq.request_id for c in chunks):
             seq = self.scheduler.finish(rid, "error")
             if seq is not None:
+                self._counters.finished["error"] += 1
                 deltas.append(RequestDelta(rid, finish_reason="error", error=error, code="internal", usage=_usage(seq)))
         return StepResult(deltas, 0, 0)
 
@@ -208,7 +227,7 @@ class LLMEngine:
             deltas += self._finish_in_flight()
         self._in_flight = (chunks, launched) if chunks else None
         self._scheduled = []
-        return StepResult(deltas, num_prefill, num_decode)
+        return StepResult(deltas, num_prefill, num_decode, len(chunks))
 
     def _finish_in_flight(self) -> list[RequestDelta]:
         chunks, launched = self._in_flight
@@ -222,8 +241,11 @@ class LLMEngine:
             delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
             if not seq.reported or seq.finish_reason is not None:
                 delta.usage, seq.reported = _usage(seq), True  # on the first (prompt, cached tokens) and the last
+            if seq.finish_reason is not None:
+                self._counters.finished[seq.finish_reason] += 1
             delta.finish_reason = seq.finish_reason
             deltas.append(delta)
+        self._counters.generation_tokens += len(deltas)
         return deltas
 
 

@@ -53,6 +53,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens of the requests admitted so far
+        self.num_prefix_hits = 0  # of them, found in the prefix cache at first admission
         self.num_penalized = 0  # requests whose sampling reads their own output (penalties)
         self.num_waiting_tokens = 0  # tokens of the waiting requests (their prompts, or all a preempted one has)
 
@@ -114,6 +116,8 @@ class Scheduler:
             self.num_waiting_tokens -= seq.queued_tokens
             if not seq.admitted:
                 seq.admitted, seq.num_cached_tokens = True, seq.num_computed_tokens
+                self.num_prefix_queries += seq.num_prompt_tokens
+                self.num_prefix_hits += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, n))
@@ -164,9 +168,3 @@ class Scheduler:
                     continue
             self.block_manager.cache_full_blocks(seq)
         return took
-
-    def update(self, scheduled: list[ScheduledChunk], sampled: dict[str, int]) -> list[Sequence]:
-        """``launched`` and ``resolve`` at once, for a step whose samples are already known; returns
-        the sequences that finished."""
-        self.launched(scheduled)
-        return [seq for seq in self.resolve(scheduled, sampled) if seq.is_finished]

@@ -62,6 +62,11 @@ def files_digest(files: dict[str, bytes]) -> str:
     return digest.hexdigest()[:32]
 
 
+def _engine_id(identity: bytes, request_id: str) -> str:
+    """The engine's key for a client's request: clients choose their own ids, so keys carry the client."""
+    return f"{identity.hex()}/{request_id}"
+
+
 @dataclass
 class _Client:
     identity: bytes
@@ -248,7 +253,7 @@ class EngineServer:
         if busy is not None:
             self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=busy, code="busy"))
             return
-        engine_id = f"{client.name}/{rid}"
+        engine_id = _engine_id(client.identity, rid)
         try:
             self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
         except InvalidRequestError as exc:
@@ -318,7 +323,7 @@ class EngineServer:
         self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool, code: str | None = None
     ) -> None:
         """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
-        engine_id = f"{identity.hex()}/{rid}"
+        engine_id = _engine_id(identity, rid)
         delta = self.engine.abort(engine_id)
         pend = self.pending.get(engine_id)
         if pend is None:
@@ -362,6 +367,7 @@ class EngineServer:
             requests_by_client={c.name: len(c.requests) for c in self.clients.values()},
             waiting_tokens=sched.num_waiting_tokens,
             dropped_clients=self.dropped_clients,
+            engine=self.engine.stats(),
         )
 
     def _liveness(self, now: float) -> None:

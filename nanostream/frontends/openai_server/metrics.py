@@ -9,7 +9,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nanostream.client.stream import Stream, StreamChunk
 from nanostream.errors import EngineDeadError
-from nanostream.protocol import Stats
+from nanostream.protocol import STEP_MS_BUCKETS, Stats
+
+
+def step_quantile(buckets: list[int], q: float) -> float:
+    """The upper bound (ms) of the histogram bucket that holds quantile ``q`` (inf past the last bound)."""
+    total, seen = sum(buckets), 0
+    for bound, count in zip((*STEP_MS_BUCKETS, float("inf")), buckets):
+        seen += count
+        if total and seen >= q * total:
+            return bound
+    return 0.0
+
 
 # ---- metrics --------------------------------------------------------------------------------------
 
@@ -43,6 +54,24 @@ class Metrics:
         self.waiting = Gauge("nanostream_requests_waiting", "Requests waiting in the engine's queue", registry=r)
         self.kv_usage = Gauge("nanostream_kv_cache_usage", "Fraction of KV-cache blocks in use", registry=r)
         self.engine_up = Gauge("nanostream_engine_up", "1 if the engine answered the last scrape, else 0", registry=r)
+        # The engine's own counters (totals since it started), as vLLM's /metrics has them.
+        self.engine_steps = Gauge("nanostream_engine_steps", "Engine steps by kind", ["kind"], registry=r)
+        self.step_seconds = Gauge("nanostream_engine_step_seconds", "Wall time in engine steps, summed", registry=r)
+        self.step_quantiles = Gauge(
+            "nanostream_engine_step_seconds_quantile",
+            "Step wall time at a quantile, over the engine's life (upper bound of its histogram bucket)",
+            ["quantile"],
+            registry=r,
+        )
+        self.mean_batch = Gauge("nanostream_engine_mean_batch_size", "Requests per engine step, mean", registry=r)
+        self.preemptions = Gauge("nanostream_engine_preemptions", "Requests preempted (recomputed)", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "nanostream_prefix_cache_hit_rate", "Share of admitted prompt tokens found in the prefix cache", registry=r
+        )
+        self.prefix_queries = Gauge(
+            "nanostream_prefix_cache_queries", "Prompt tokens of the requests admitted", registry=r
+        )
+        self.prefix_hits = Gauge("nanostream_prefix_cache_hits", "Of them, found in the prefix cache", registry=r)
 
     def engine_stats(self, stats: Stats | None) -> None:
         self.engine_up.set(stats is not None)
@@ -50,6 +79,19 @@ class Metrics:
             self.running.set(stats.running)
             self.waiting.set(stats.waiting)
             self.kv_usage.set(1 - stats.free_kv_blocks / max(stats.total_kv_blocks, 1))
+        if stats is not None and stats.engine is not None:
+            e = stats.engine
+            for kind in ("prefill", "decode", "mixed"):
+                self.engine_steps.labels(kind).set(e.steps.get(kind, 0))
+            steps = sum(e.steps.values())
+            self.step_seconds.set(e.step_seconds)
+            for q in (0.5, 0.9, 0.99):
+                self.step_quantiles.labels(str(q)).set(step_quantile(e.step_ms_buckets, q) / 1e3)
+            self.mean_batch.set(e.scheduled_requests / max(steps, 1))
+            self.preemptions.set(e.preemptions)
+            self.prefix_queries.set(e.prefix_cache_queries)
+            self.prefix_hits.set(e.prefix_cache_hits)
+            self.prefix_hit_rate.set(e.prefix_cache_hits / max(e.prefix_cache_queries, 1))
 
     async def timed(self, stream: Stream, endpoint: str) -> AsyncIterator[StreamChunk]:
         """``stream``'s chunks, counted and timed; however the iteration ends, so does the request."""
