@@ -17,6 +17,8 @@ from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
 from nanostream.demo_model import DEMO_MODEL_DIR, default_model_dir
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 # Its greedy continuation. The prompt was picked because no greedy step of it is near a tie (the
 # smallest gap between the top two float32 logits over these 24 tokens is 0.19), so the text does not
 # depend on the CPU's rounding.

@@ -13,6 +13,8 @@ import pytest
 from nanostream import LLM, SamplingParams
 from nanostream.client.launch import EngineProcess
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import openai
+import pytest
 from gradio_client import Client
 from helpers import serve_http
 
@@ -16,6 +17,8 @@ from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, build_app
 from nanostream.frontends.openai_server import create_app
+
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 MAX_TOKENS = 300  # long enough that the three streams overlap

@@ -31,6 +31,8 @@ from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream import protocol as p
 from nanostream.client.launch import EngineProcess
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 EXAMPLES = int(os.environ.get("NANOSTREAM_FUZZ_EXAMPLES", "1000"))
 ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")
 SERVER_OPTIONS = dict(heartbeat_interval=0.5, client_timeout=5.0)

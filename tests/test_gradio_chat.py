@@ -30,7 +30,7 @@ from nanostream.frontends import load
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, NOTICE_TITLE, GradioChat, build_app, conversation
 
 # Gradio's queue calls pandas in ways pandas 3 deprecates: nothing this test or the app can change.
-pytestmark = pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")]
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=24)  # the test apps' slider defaults

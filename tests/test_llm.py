@@ -212,7 +212,7 @@ def test_engine_stats_count_steps_tokens_finishes_and_prefix_hits(qwen3_dir):
     engine.add_request("a", shared, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    engine.add_request("b", shared + [7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.add_request("b", [*shared, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.add_request("c", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.abort("c")

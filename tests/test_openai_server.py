@@ -29,6 +29,8 @@ from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
 from nanostream.frontends.openai_server import OpenAIServer, create_app
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
 API_KEY = "sk-test-key"
 LONG = {"max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # runs for seconds unless aborted

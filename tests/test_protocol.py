@@ -29,6 +29,8 @@ from nanostream import protocol as p
 from nanostream.client.launch import EngineProcess
 from nanostream.testing import build_tokenizer, make_tiny_model
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 # Small, explicit KV pools: engines start fast, and a leaked block shows in the free-block count.
 # CPU engines: the subject is the protocol, and several engines run at once (also on a GPU machine).
 ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")

@@ -37,6 +37,8 @@ from nanostream.errors import (
     RequestTimeoutError,
 )
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 ENGINE_OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")
 ROOMY = {**ENGINE_OPTIONS, "max_model_len": 2048, "num_kvcache_blocks": 160}  # room for LONG
 CLIENT_TIMEOUT = 1.5

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 SCRIPT = Path(__file__).resolve().parents[1] / "apps" / "soak.py"
 
 

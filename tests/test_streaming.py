@@ -27,6 +27,8 @@ from helpers import engine_processes, wait_idle
 
 from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
 
+pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
+
 # The streaming layer is the subject here: CPU engines, several at once, also on a GPU machine
 # (where each would otherwise claim gpu_memory_utilization of the one device).
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
