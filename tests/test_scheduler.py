@@ -27,7 +27,6 @@ def update(sched: Scheduler, chunks: list, sampled: dict[str, int]) -> list:
     return [seq for seq in sched.resolve(chunks, sampled) if seq.is_finished]
 
 
-
 def next_token(context: list[int]) -> int:
     """The fake model: a greedy LM whose next token depends on every token of the context."""
     return 1000 + sum((i + 1) * t for i, t in enumerate(context)) % 997

@@ -1,7 +1,8 @@
 """The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
 
 transport.inputs ──▶ busy loop (this thread):
-                       1. handle messages (hello, add, abort, stats; disconnections)
+                       1. handle messages (hello, stats, disconnections; add and abort go to the
+                          RequestBook of engine/requests.py: limits, routing, deadlines)
                        2. engine.step()
                        3. heartbeats, silent clients dropped, requests past their timeout aborted
                        4. one Outputs per client for everything this iteration produced
@@ -15,7 +16,6 @@ client's liveness by its heartbeats, counted from its hello.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import hmac
 import logging
 import queue
@@ -24,14 +24,13 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.engine.llm_engine import LLMEngine
+from nanostream.engine.requests import Client, RequestBook
 from nanostream.engine.transport import DISCONNECTED, NOT_READING, Transport, check_bind_address, default_address
-from nanostream.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -62,39 +61,6 @@ def files_digest(files: dict[str, bytes]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _engine_id(identity: bytes, request_id: str) -> str:
-    """The engine's key for a client's request: clients choose their own ids, so keys carry the client."""
-    return f"{identity.hex()}/{request_id}"
-
-
-@dataclass
-class _Client:
-    identity: bytes
-    last_seen: float
-    requests: set[str] = field(default_factory=set)  # the client's own request ids, open ones
-    prompt_tokens: int = 0  # of its open requests
-
-    @property
-    def name(self) -> str:
-        return self.identity.hex()  # unique per identity: it keys the client's requests in the engine
-
-
-@dataclass
-class _Pending:
-    """What one request owes its client: the delta being gathered (stream_interval > 1 batches them)."""
-
-    identity: bytes
-    request_id: str  # the client's id for it
-    num_prompt_tokens: int
-    buffer: p.RequestDelta
-    num_generated: int = 0
-    sent_any: bool = False
-
-    def take(self) -> p.RequestDelta:
-        out, self.buffer, self.sent_any = self.buffer, p.RequestDelta(self.request_id), True
-        return out
-
-
 class EngineServer:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
         self.config = server_config
@@ -122,11 +88,9 @@ class EngineServer:
         self._welcome = p.encode(welcome)
         welcome.tokenizer_files = {}
         self._welcome_back = p.encode(welcome)  # for a client that has the files already
-        self.clients: dict[bytes, _Client] = {}
-        self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
+        self.clients: dict[bytes, Client] = {}
         self.dropped_clients = 0
-        self._deadlines: list[tuple[float, str]] = []  # (monotonic deadline, engine request id), a heap
-        self._batch: dict[bytes, list[p.RequestOutput]] = {}  # this iteration's outputs, per client
+        self.requests = RequestBook(self.engine, server_config, self.clients)
         self._stop = threading.Event()
         self.transport = Transport(self.address, max_request_bytes)
         self.address = self.transport.address
@@ -156,15 +120,15 @@ class EngineServer:
                     raise EngineFailure(reason) from self.transport.failure
                 # 2. one engine step
                 if self.engine.has_unfinished():
-                    self._route(self.engine.step().deltas)
+                    self.requests.route(self.engine.step().deltas)
                 # 3. heartbeats out, silent clients dropped, requests past their timeout aborted
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.config.heartbeat_interval
                     self._liveness(now)
-                self._expire(now)
+                self.requests.expire(now)
                 # 4. one Outputs message per client for everything this iteration produced
-                self._flush()
+                self.requests.flush(self._send)
         except Exception as exc:
             if not isinstance(exc, EngineFailure):
                 log.exception("the engine loop failed")
@@ -206,10 +170,10 @@ class EngineServer:
             return
         client.last_seen = time.monotonic()
         if isinstance(message, p.Add):
-            self._add(client, message)
+            self.requests.add(client, message)
         elif isinstance(message, p.Abort):
             for rid in message.request_ids:  # acknowledged with the request's terminal "abort" output
-                self._finish(client.identity, rid, "abort", None, notify=True)
+                self.requests.finish(client.identity, rid, "abort", None, notify=True)
         elif isinstance(message, p.GetStats):
             self._send(identity, self._stats())
         elif isinstance(message, p.Bye):
@@ -233,7 +197,7 @@ class EngineServer:
             )
         else:
             # A client is alive from its hello on: its tokenizer loads while its heartbeats already flow.
-            self.clients.setdefault(identity, _Client(identity, time.monotonic())).last_seen = time.monotonic()
+            self.clients.setdefault(identity, Client(identity, time.monotonic())).last_seen = time.monotonic()
             self.transport.register(identity)
             log.info("client %s connected (pid %d)", identity.hex(), hello.pid)
             self._send(identity, self._welcome_back if hello.tokenizer_digest == self._digest else self._welcome)
@@ -242,119 +206,6 @@ class EngineServer:
         if identity in self.clients:
             self._drop(self.clients[identity], "was refused", notify=False)
         self._send(identity, p.Error(reason, fatal=True, code=code))
-
-    def _add(self, client: _Client, add: p.Add) -> None:
-        rid, n = add.request_id, len(add.prompt_token_ids)
-        if not rid or rid in client.requests:
-            reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
-            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=reason, code="invalid"))
-            return
-        busy = self._busy(client, n)
-        if busy is not None:
-            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=busy, code="busy"))
-            return
-        engine_id = _engine_id(client.identity, rid)
-        try:
-            self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
-        except InvalidRequestError as exc:
-            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=str(exc), code="invalid"))
-            return
-        except Exception as exc:  # a bug must not take the engine down with it
-            log.exception("adding request %s failed", engine_id)
-            error = f"internal error: {exc}"
-            self._emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=error, code="internal"))
-            return
-        client.requests.add(rid)
-        client.prompt_tokens += n
-        self.pending[engine_id] = _Pending(client.identity, rid, n, p.RequestDelta(rid))
-        if add.timeout is not None:
-            heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
-
-    def _busy(self, client: _Client, num_tokens: int) -> str | None:
-        """Why a request of ``num_tokens`` prompt tokens cannot be queued now, or None if it can."""
-        c, sched = self.config, self.engine.scheduler
-        if len(sched.waiting) >= c.max_num_queued_reqs:
-            return f"the engine is busy: {len(sched.waiting)} requests wait to run (--max-num-queued-reqs); retry later"
-        if sched.waiting and sched.num_waiting_tokens + num_tokens > c.max_num_queued_tokens:
-            return (
-                f"the engine is busy: {sched.num_waiting_tokens} prompt tokens wait to run and this request "
-                f"adds {num_tokens} (--max-num-queued-tokens {c.max_num_queued_tokens}); retry later"
-            )
-        if len(client.requests) >= c.max_client_reqs:
-            return f"this client has {len(client.requests)} open requests, the most one client may (--max-client-reqs)"
-        if client.requests and client.prompt_tokens + num_tokens > c.max_client_tokens:
-            return (
-                f"this client's open requests hold {client.prompt_tokens} prompt tokens and this one adds "
-                f"{num_tokens}, more than one client may (--max-client-tokens "
-                f"{c.max_client_tokens}); retry when some finish"
-            )
-        return None
-
-    def _route(self, deltas: list[p.RequestDelta]) -> None:
-        interval = self.config.stream_interval
-        for delta in deltas:
-            pend = self.pending.get(delta.request_id)
-            if pend is None:
-                continue
-            pend.buffer.merge(delta)
-            pend.num_generated += len(delta.token_ids)
-            # The first delta also carries usage so far (prompt and cached tokens), for a client that
-            # ends the request itself (a stop string) and so never sees the last one.
-            if delta.finish_reason is not None:
-                self._close(delta.request_id, pend)
-            elif not pend.sent_any or len(pend.buffer.token_ids) >= interval:
-                self._emit(pend.identity, pend.take())
-
-    def _close(self, engine_id: str, pend: _Pending, reason: str | None = None, **why: str | None) -> None:
-        """Send a request's last delta (``reason`` and ``why``: it ends now, as the engine did not decide)."""
-        del self.pending[engine_id]
-        client = self.clients.get(pend.identity)
-        if client is not None:
-            client.requests.discard(pend.request_id)
-            client.prompt_tokens -= pend.num_prompt_tokens
-        last = pend.take()
-        if reason is not None:
-            last.finish_reason, last.error, last.code = reason, why.get("error"), why.get("code")
-        if last.usage is not None:  # what was sent, not what a step in flight may still sample
-            last.usage = p.Usage(last.usage.prompt_tokens, pend.num_generated, last.usage.cached_tokens)
-        self._emit(pend.identity, last)
-
-    def _finish(
-        self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool, code: str | None = None
-    ) -> None:
-        """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
-        engine_id = _engine_id(identity, rid)
-        delta = self.engine.abort(engine_id)
-        pend = self.pending.get(engine_id)
-        if pend is None:
-            return
-        if notify:
-            if delta is not None:
-                pend.buffer.usage = delta.usage
-            self._close(engine_id, pend, reason, error=error, code=code)
-        else:
-            del self.pending[engine_id]
-            client = self.clients.get(identity)
-            if client is not None:
-                client.requests.discard(rid)
-                client.prompt_tokens -= pend.num_prompt_tokens
-
-    def _expire(self, now: float) -> None:
-        """Abort the requests whose own timeout has passed."""
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, engine_id = heapq.heappop(self._deadlines)
-            pend = self.pending.get(engine_id)
-            if pend is not None:  # else it finished in time
-                error = "the request's timeout passed before it finished; the engine aborted it"
-                self._finish(pend.identity, pend.request_id, "error", error, notify=True, code="timeout")
-
-    def _emit(self, identity: bytes, output: p.RequestOutput) -> None:
-        self._batch.setdefault(identity, []).append(output)
-
-    def _flush(self) -> None:
-        for identity, outputs in self._batch.items():
-            self._send(identity, p.Outputs(outputs))
-        self._batch.clear()
 
     def _stats(self) -> p.Stats:
         sched = self.engine.scheduler
@@ -378,25 +229,19 @@ class EngineServer:
             else:
                 self._send(client.identity, p.Heartbeat())
 
-    def _drop(self, client: _Client, why: str, notify: bool = True) -> None:
+    def _drop(self, client: Client, why: str, notify: bool = True) -> None:
         """Forget a client and abort its requests; ``notify`` tells it (it may still be listening)."""
         level = logging.WARNING if client.requests else logging.INFO
         log.log(level, "client %s %s: dropped, aborting its %d request(s)", client.name, why, len(client.requests))
         self.dropped_clients += why not in ("said goodbye", "was refused")
-        for rid in list(client.requests):
-            self._finish(client.identity, rid, "abort", None, notify=False)
-        self._batch.pop(client.identity, None)
+        self.requests.forget_client(client)
         del self.clients[client.identity]
         self.transport.unregister(client.identity)
         if notify:
             self._send(client.identity, p.Error(f"the engine dropped this client: it {why}", code="dropped"))
 
     def _shutdown(self, reason: str) -> None:
-        log.info("shutting down: ending %d open request(s)", len(self.pending))
-        for engine_id, pend in list(self.pending.items()):
-            self.engine.abort(engine_id)
-            self._close(engine_id, pend, "abort", error=reason, code="shutdown")
-        self._flush()
+        self.requests.shutdown(reason, self._send)
         for identity in self.clients:
             self._send(identity, p.Shutdown(reason))
         self.transport.close()

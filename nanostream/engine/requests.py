@@ -1,0 +1,191 @@
+"""The engine process's open requests: whose each one is, what each still owes its client, the queue
+limits a new one must fit, and the deadlines requests carry.
+
+    Add ──▶ add(): limits ("busy"), LLMEngine.add_request ("invalid") ──▶ pending
+    LLMEngine.step().deltas ──▶ route(): merged per stream_interval ──▶ emit() ──▶ flush(): one
+    Outputs message per client per loop iteration
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanostream import protocol as p
+from nanostream.config import ServerConfig
+from nanostream.engine.llm_engine import LLMEngine
+from nanostream.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+def _engine_id(identity: bytes, request_id: str) -> str:
+    """The engine's key for a client's request: clients choose their own ids, so keys carry the client."""
+    return f"{identity.hex()}/{request_id}"
+
+
+@dataclass
+class Client:
+    identity: bytes
+    last_seen: float
+    requests: set[str] = field(default_factory=set)  # the client's own request ids, open ones
+    prompt_tokens: int = 0  # of its open requests
+
+    @property
+    def name(self) -> str:
+        return self.identity.hex()  # unique per identity: it keys the client's requests in the engine
+
+
+@dataclass
+class _Pending:
+    """What one request owes its client: the delta being gathered (stream_interval > 1 batches them)."""
+
+    identity: bytes
+    request_id: str  # the client's id for it
+    num_prompt_tokens: int
+    buffer: p.RequestDelta
+    num_generated: int = 0
+    sent_any: bool = False
+
+    def take(self) -> p.RequestDelta:
+        out, self.buffer, self.sent_any = self.buffer, p.RequestDelta(self.request_id), True
+        return out
+
+
+class RequestBook:
+    def __init__(self, engine: LLMEngine, config: ServerConfig, clients: dict[bytes, Client]) -> None:
+        self.engine, self.config, self.clients = engine, config, clients
+        self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
+        self._deadlines: list[tuple[float, str]] = []  # (monotonic deadline, engine request id), a heap
+        self._batch: dict[bytes, list[p.RequestDelta]] = {}  # this iteration's outputs, per client
+
+    def add(self, client: Client, add: p.Add) -> None:
+        rid, n = add.request_id, len(add.prompt_token_ids)
+        if not rid or rid in client.requests:
+            reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
+            self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=reason, code="invalid"))
+            return
+        busy = self._busy(client, n)
+        if busy is not None:
+            self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=busy, code="busy"))
+            return
+        engine_id = _engine_id(client.identity, rid)
+        try:
+            self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
+        except InvalidRequestError as exc:
+            self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=str(exc), code="invalid"))
+            return
+        except Exception as exc:  # a bug must not take the engine down with it
+            log.exception("adding request %s failed", engine_id)
+            error = f"internal error: {exc}"
+            self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=error, code="internal"))
+            return
+        client.requests.add(rid)
+        client.prompt_tokens += n
+        self.pending[engine_id] = _Pending(client.identity, rid, n, p.RequestDelta(rid))
+        if add.timeout is not None:
+            heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
+
+    def _busy(self, client: Client, num_tokens: int) -> str | None:
+        """Why a request of ``num_tokens`` prompt tokens cannot be queued now, or None if it can."""
+        c, sched = self.config, self.engine.scheduler
+        if len(sched.waiting) >= c.max_num_queued_reqs:
+            return f"the engine is busy: {len(sched.waiting)} requests wait to run (--max-num-queued-reqs); retry later"
+        if sched.waiting and sched.num_waiting_tokens + num_tokens > c.max_num_queued_tokens:
+            return (
+                f"the engine is busy: {sched.num_waiting_tokens} prompt tokens wait to run and this request "
+                f"adds {num_tokens} (--max-num-queued-tokens {c.max_num_queued_tokens}); retry later"
+            )
+        if len(client.requests) >= c.max_client_reqs:
+            return f"this client has {len(client.requests)} open requests, the most one client may (--max-client-reqs)"
+        if client.requests and client.prompt_tokens + num_tokens > c.max_client_tokens:
+            return (
+                f"this client's open requests hold {client.prompt_tokens} prompt tokens and this one adds "
+                f"{num_tokens}, more than one client may (--max-client-tokens "
+                f"{c.max_client_tokens}); retry when some finish"
+            )
+        return None
+
+    def route(self, deltas: list[p.RequestDelta]) -> None:
+        interval = self.config.stream_interval
+        for delta in deltas:
+            pend = self.pending.get(delta.request_id)
+            if pend is None:
+                continue
+            pend.buffer.merge(delta)
+            pend.num_generated += len(delta.token_ids)
+            # The first delta also carries usage so far (prompt and cached tokens), for a client that
+            # ends the request itself (a stop string) and so never sees the last one.
+            if delta.finish_reason is not None:
+                self.close(delta.request_id, pend)
+            elif not pend.sent_any or len(pend.buffer.token_ids) >= interval:
+                self.emit(pend.identity, pend.take())
+
+    def close(self, engine_id: str, pend: _Pending, reason: str | None = None, **why: str | None) -> None:
+        """Send a request's last delta (``reason`` and ``why``: it ends now, as the engine did not decide)."""
+        del self.pending[engine_id]
+        client = self.clients.get(pend.identity)
+        if client is not None:
+            client.requests.discard(pend.request_id)
+            client.prompt_tokens -= pend.num_prompt_tokens
+        last = pend.take()
+        if reason is not None:
+            last.finish_reason, last.error, last.code = reason, why.get("error"), why.get("code")
+        if last.usage is not None:  # what was sent, not what a step in flight may still sample
+            last.usage = p.Usage(last.usage.prompt_tokens, pend.num_generated, last.usage.cached_tokens)
+        self.emit(pend.identity, last)
+
+    def finish(
+        self, identity: bytes, rid: str, reason: str, error: str | None, notify: bool, code: str | None = None
+    ) -> None:
+        """End one request now (abort), freeing its blocks; ``notify`` sends its terminal message."""
+        engine_id = _engine_id(identity, rid)
+        delta = self.engine.abort(engine_id)
+        pend = self.pending.get(engine_id)
+        if pend is None:
+            return
+        if notify:
+            if delta is not None:
+                pend.buffer.usage = delta.usage
+            self.close(engine_id, pend, reason, error=error, code=code)
+        else:
+            del self.pending[engine_id]
+            client = self.clients.get(identity)
+            if client is not None:
+                client.requests.discard(rid)
+                client.prompt_tokens -= pend.num_prompt_tokens
+
+    def expire(self, now: float) -> None:
+        """Abort the requests whose own timeout has passed."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, engine_id = heapq.heappop(self._deadlines)
+            pend = self.pending.get(engine_id)
+            if pend is not None:  # else it finished in time
+                error = "the request's timeout passed before it finished; the engine aborted it"
+                self.finish(pend.identity, pend.request_id, "error", error, notify=True, code="timeout")
+
+    def emit(self, identity: bytes, output: p.RequestDelta) -> None:
+        self._batch.setdefault(identity, []).append(output)
+
+    def flush(self, send) -> None:
+        """One Outputs message per client for everything emitted since the last flush."""
+        for identity, outputs in self._batch.items():
+            send(identity, p.Outputs(outputs))
+        self._batch.clear()
+
+    def forget_client(self, client: Client) -> None:
+        """Abort a dropped client's requests; nothing more is sent to it."""
+        for rid in list(client.requests):
+            self.finish(client.identity, rid, "abort", None, notify=False)
+        self._batch.pop(client.identity, None)
+
+    def shutdown(self, reason: str, send: Callable) -> None:
+        """End every open request with an "abort" that says why, and send it all."""
+        log.info("shutting down: ending %d open request(s)", len(self.pending))
+        for engine_id, pend in list(self.pending.items()):
+            self.engine.abort(engine_id)
+            self.close(engine_id, pend, "abort", error=reason, code="shutdown")
+        self.flush(send)
