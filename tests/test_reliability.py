@@ -23,7 +23,7 @@ import zmq
 from helpers import engine_processes, serve_http, wait_idle
 from test_protocol import Peer
 
-import nanostream.client.async_client
+import nanostream.client.connection
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream import protocol as p
 from nanostream.client.launch import EngineProcess
@@ -173,7 +173,7 @@ async def test_extreme_parameters_on_the_wire_end_their_request_and_nothing_else
 @pytest.mark.anyio
 async def test_a_slow_tokenizer_load_does_not_get_the_client_dropped(engines, llm, monkeypatch):
     engine = engines["main"]
-    load = nanostream.client.async_client._load_tokenizer
+    load = nanostream.client.connection._load_tokenizer
 
     def slow_load(*args):
         time.sleep(CLIENT_TIMEOUT * 2.5)  # a cold transformers import on a loaded machine
@@ -181,7 +181,7 @@ async def test_a_slow_tokenizer_load_does_not_get_the_client_dropped(engines, ll
 
     async with AsyncClient(engine.address) as observer:
         before = (await observer.stats()).dropped_clients
-    monkeypatch.setattr(nanostream.client.async_client, "_load_tokenizer", slow_load)
+    monkeypatch.setattr(nanostream.client.connection, "_load_tokenizer", slow_load)
     async with AsyncClient(engine.address) as client:
         out = await client.generate("Once upon a time", **GREEDY)
         assert out.token_ids == offline(llm, "Once upon a time", **GREEDY).token_ids
