@@ -1,29 +1,39 @@
 """The engine on a CUDA GPU (skipped without one): float32 token-identical to transformers with every
 backend, with and without CUDA graphs; bfloat16 backends agree with the torch reference backend
-(per-step logits, and greedy tokens except at a bf16 near-tie)."""
+(per-step logits, and greedy tokens except at a bf16 near-tie). Qwen3, the Llama 3 model (rope scaling,
+biases, untied) and Mistral of tests/test_hf_parity.py."""
 
+import logging
 import random
 
 import pytest
 import torch
 
 from nanostream import LLM, SamplingParams
+from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama3", "mistral"])
+def gpu_model_dir(request, tmp_path_factory):
+    if request.param == "qwen3":
+        return request.getfixturevalue("qwen3_dir")
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), **TINY_PRESETS[request.param])
 
 
 @pytest.mark.parametrize(
     "backend, enforce_eager", [("torch", True), ("triton", True), ("triton", False)], ids=lambda x: str(x)
 )
 def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(
-    qwen3_dir, hf_model_cache, backend, enforce_eager
+    gpu_model_dir, hf_model_cache, backend, enforce_eager
 ):
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 70, 23, 150, 4)]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)  # EOS banned, as min_new_tokens does
     llm = LLM(
-        str(qwen3_dir),
+        str(gpu_model_dir),
         device="cuda",
         dtype="float32",
         attention_backend=backend,
@@ -38,7 +48,7 @@ def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(
     outputs = first + llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.num_cached_tokens >= 32 for o in outputs[1:])
-    hf = hf_model_cache(qwen3_dir)
+    hf = hf_model_cache(gpu_model_dir)
     for prompt, out in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
@@ -65,17 +75,17 @@ def greedy_with_logits(llm, prompt, steps):
 
 
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
-def test_bfloat16_backends_agree_with_torch_backend(qwen3_dir, backend):
+def test_bfloat16_backends_agree_with_torch_backend(gpu_model_dir, backend):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 37, 300, 1000)]
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048, gpu_memory_utilization=0.3)
     # The reference runs every op eagerly, in Hugging Face's order and roundings.
-    reference = LLM(str(qwen3_dir), attention_backend="torch", enforce_eager=True, torch_compile=False, **common)
+    reference = LLM(str(gpu_model_dir), attention_backend="torch", enforce_eager=True, torch_compile=False, **common)
     expected = [greedy_with_logits(reference, p, 32) for p in prompts]
     del reference
     torch.cuda.empty_cache()
     try:
-        llm = LLM(str(qwen3_dir), attention_backend=backend, **common)
+        llm = LLM(str(gpu_model_dir), attention_backend=backend, **common)
     except ValueError as exc:  # flash_attn not installed, or not for this GPU
         pytest.skip(str(exc))
     assert llm.engine.runner.graphs is not None
@@ -100,3 +110,25 @@ def test_cuda_kv_pool_sized_from_gpu_memory_utilization(qwen3_dir):
     assert 0 < pool_bytes <= 0.05 * total
     out = llm.generate(["The river"] * 4, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 8 for o in out)
+
+
+def test_torch_compile_leaves_dynamo_config_alone_and_stays_compiled(qwen3_dir):
+    # The torch backend compiles the elementwise layers; neither building nor serving changes dynamo's
+    # process-wide settings, and no compiled function falls back to eager at its recompile limit.
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    dynamo_log = logging.getLogger("torch._dynamo")  # torch's loggers do not propagate to the root
+    dynamo_log.addHandler(handler)
+    before = torch._dynamo.config.get_config_copy()
+    try:
+        llm = LLM(str(qwen3_dir), device="cuda", attention_backend="torch", max_num_seqs=8, max_model_len=1024,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+        rng = random.Random(2)
+        prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 2, 37, 300)]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        dynamo_log.removeHandler(handler)
+    assert all(len(o.token_ids) == 8 for o in out)
+    assert not [w for w in warnings if "recompile_limit" in w], warnings
+    assert torch._dynamo.config.get_config_copy() == before

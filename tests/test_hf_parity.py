@@ -1,4 +1,7 @@
-"""nanostream's greedy output is token-identical to Hugging Face transformers' on the same weights."""
+"""nanostream's greedy output is token-identical to Hugging Face transformers' on the same weights.
+
+Every architecture the shared decoder runs: Qwen3 (QK-norm, tied), Qwen2 (q/k/v biases), Llama (untied),
+Llama with Llama 3 rope scaling (and attention and MLP biases, untied), Mistral (tied)."""
 
 import random
 
@@ -8,9 +11,30 @@ import torch
 from nanostream import LLM, SamplingParams
 from nanostream.engine.scheduler import ScheduledChunk
 from nanostream.engine.sequence import Sequence
-from nanostream.models.qwen import ForwardContext
+from nanostream.errors import ModelLoadError
+from nanostream.layers.attention import ForwardContext
+from nanostream.testing import TINY_PRESETS, make_tiny_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+def greedy(n):
+    """n greedy tokens, EOS banned throughout: what transformers' generate(min_new_tokens=n) does (ignore_eos
+    would let EOS be picked, where transformers picks the next best)."""
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+
+
+GREEDY = greedy(24)
+ARCHS = ["qwen3", "qwen2", "llama", "llama3", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def presets(tmp_path_factory):
+    """The tiny Llama (untied), Llama 3 (rope scaling, attention and MLP biases, untied) and Mistral (tied)."""
+    return {name: make_tiny_model(tmp_path_factory.mktemp(name), **kw) for name, kw in TINY_PRESETS.items()}
+
+
+@pytest.fixture(params=ARCHS)
+def any_model_dir(request, presets):
+    return presets.get(request.param) or request.getfixturevalue(f"{request.param}_dir")
 
 
 def hf_greedy(hf, prompt, n):
@@ -37,11 +61,11 @@ def assert_matches_hf(hf, prompts, outputs, n):
         assert out.finish_reason == "length"
 
 
-def test_mixed_batch_matches_hf(model_dir, hf_model_cache):
+def test_mixed_batch_matches_hf(any_model_dir, hf_model_cache):
     prompts = random_prompts([1, 7, 16, 33, 100, 257], seed=0)
-    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=16)
+    llm = LLM(str(any_model_dir), device="cpu", kvcache_block_size=16)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
+    assert_matches_hf(hf_model_cache(any_model_dir), prompts, outputs, GREEDY.max_tokens)
 
 
 def test_prefix_cache_hits_match_hf(model_dir, hf_model_cache):
@@ -58,21 +82,23 @@ def test_prefix_cache_hits_match_hf(model_dir, hf_model_cache):
     assert again[0].token_ids == first[0].token_ids
 
 
-def test_chunked_prefill_matches_hf(model_dir, hf_model_cache):
+def test_chunked_prefill_matches_hf(any_model_dir, hf_model_cache):
     prompts = random_prompts([150, 9, 61], seed=3)
-    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
+    llm = LLM(str(any_model_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, GREEDY.max_tokens)
+    assert_matches_hf(hf_model_cache(any_model_dir), prompts, outputs, GREEDY.max_tokens)
 
 
-def test_preemption_matches_hf(model_dir, hf_model_cache):
+def test_preemption_matches_hf(any_model_dir, hf_model_cache):
     prompts = random_prompts([20, 27, 13, 40, 22, 31], seed=4)
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, enable_prefix_caching=False)
+    params = greedy(30)
+    llm = LLM(
+        str(any_model_dir), device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, enable_prefix_caching=False
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.num_free_blocks == 16
-    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, params.max_tokens)
+    assert_matches_hf(hf_model_cache(any_model_dir), prompts, outputs, params.max_tokens)
 
 
 def test_preemption_with_prefix_cache_matches_hf(qwen3_dir, hf_model_cache):
@@ -92,17 +118,17 @@ def test_preemption_with_prefix_cache_matches_hf(qwen3_dir, hf_model_cache):
     assert_matches_hf(hf_model_cache(qwen3_dir), prompts, outputs, params.max_tokens)
 
 
-def test_prefill_logits_match_hf(model_dir, hf_model_cache):
-    prompt = random_prompts([45], seed=7)[0]
-    llm = LLM(str(model_dir), device="cpu", kvcache_block_size=16)
+def test_prefill_logits_match_hf(any_model_dir, hf_model_cache):
+    prompt = random_prompts([300], seed=7)[0]
+    llm = LLM(str(any_model_dir), device="cpu", kvcache_block_size=16)
     runner = llm.engine.runner
     seq = Sequence("p", prompt, GREEDY, max_tokens=1, sampling_seed=0, stop_token_ids=frozenset())
-    seq.block_table = list(range(3))
+    seq.block_table = list(range(19))
     input_ids, positions, meta, _ = runner.prepare([ScheduledChunk(seq, len(prompt))])
     with torch.inference_mode():
-        hidden = runner.model(input_ids, positions, ForwardContext(meta, runner.kv_caches, runner.backend))
+        hidden = runner.model(input_ids, positions, ForwardContext(meta, runner.kv_caches))
         ours = runner.model.compute_logits(hidden)
-        ref = hf_model_cache(model_dir)(torch.tensor([prompt])).logits[0].float()
+        ref = hf_model_cache(any_model_dir)(torch.tensor([prompt])).logits[0].float()
     rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert rel.max().item() < 1e-4
 
@@ -146,14 +172,15 @@ def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
     assert_matches_hf(hf_model_cache(tmp_path), prompts, outputs, GREEDY.max_tokens)
 
 
-def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(model_dir, hf_model_cache):
+def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(any_model_dir, hf_model_cache):
     # Without a GPU the kernels run under Triton's interpreter: slow, so one small mixed workload. Qwen3
-    # goes through the fused prologue's QK-norm, Qwen2 through its biased projections without a norm.
+    # goes through the fused prologue's QK-norm, the others through it without a norm (Qwen2 and the
+    # biased Llama with biased projections, the scaled Llama with its rotary tables).
     shared = random_prompts([24], seed=10)[0]
     prompts = [shared + tail for tail in random_prompts([1, 9, 40, 5], seed=11)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = greedy(16)
     llm = LLM(
-        str(model_dir),
+        str(any_model_dir),
         device="cuda" if torch.cuda.is_available() else "cpu",
         dtype="float32",
         attention_backend="triton",
@@ -166,7 +193,7 @@ def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(model_
     outputs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(o.num_cached_tokens >= 24 for o in outputs[1:])
-    assert_matches_hf(hf_model_cache(model_dir), prompts, outputs, params.max_tokens)
+    assert_matches_hf(hf_model_cache(any_model_dir), prompts, outputs, params.max_tokens)
 
 
 def test_repetition_penalty_matches_hf_while_other_requests_decode(qwen3_dir, hf_model_cache):
@@ -184,3 +211,30 @@ def test_repetition_penalty_matches_hf_while_other_requests_decode(qwen3_dir, hf
     assert outputs[0].token_ids == ref[0, len(prompts[0]) :].tolist()
     assert outputs[0].token_ids != hf_greedy(hf, prompts[0], 24)  # the penalty changed the output
     assert_matches_hf(hf, prompts[1:], outputs[1:], GREEDY.max_tokens)
+
+
+def test_llama3_rope_scaling_tables_match_hf(presets, hf_model_cache):
+    # The scaled frequencies must be transformers' to the bit: a table an ulp off flips greedy choices later.
+    from nanostream.layers.rotary import RotaryEmbedding
+
+    llm = LLM(str(presets["llama3"]), device="cpu", kvcache_block_size=16)
+    rotary = llm.engine.runner.model.model.rotary
+    hf = hf_model_cache(presets["llama3"])
+    positions = torch.arange(2048)[None]
+    hf_cos, hf_sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    half = rotary.cos.shape[1]
+    assert torch.equal(rotary.cos, hf_cos[0, :, :half]) and torch.equal(rotary.sin, hf_sin[0, :, :half])
+    unscaled = RotaryEmbedding(2 * half, 2048, llm.engine.runner.spec.rope_theta)
+    same = (unscaled.cos == rotary.cos).all(0)  # per frequency, over every position
+    assert same.tolist() == [True] * 3 + [False] * 5  # kept, interpolated, slowed down (LLAMA3_ROPE_SCALING)
+
+
+def test_mistral_sliding_window_refused_until_max_model_len_fits_it(tmp_path, hf_model_cache):
+    # A window at least max_model_len long hides no token: then the model runs, as transformers' does.
+    path = make_tiny_model(tmp_path, architecture="MistralForCausalLM", seed=6, sliding_window=64)
+    with pytest.raises(ModelLoadError, match="sliding-window attention over 64 tokens.*set max_model_len=64"):
+        LLM(str(path), device="cpu")
+    llm = LLM(str(path), device="cpu", kvcache_block_size=8, max_model_len=64)
+    prompts = random_prompts([40, 3, 17], seed=13)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf_model_cache(path), prompts, outputs, GREEDY.max_tokens)

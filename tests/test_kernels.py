@@ -14,9 +14,9 @@ from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 from nanostream.kernels.prefill_attention import paged_prefill_attention
 from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
+from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RotaryEmbedding
-from nanostream.models.qwen import SiluAndMul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,28 +1,32 @@
-"""Attention over the paged KV cache, behind a small backend interface.
+"""The attention layer: a step's new tokens attend over their sequences' paged KV context.
 
 A step's tokens are packed: sequence ``i`` contributes the query tokens
 ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``, which are the last ones of its ``seq_lens[i]`` tokens of
 context; the earlier context lives in the KV pool at the blocks of ``block_tables[i]``. Prefill,
 chunked prefill, prefix-cache hits and decode are all this one shape (decode: one query token).
 
-A backend stores the new K/V at ``slot_mapping`` (-1: a padding token, stored nowhere) and attends
-causally over each sequence's context. Backends: ``torch`` (reference, any device), ``triton``
-(nanostream's kernels, layers/triton_attention.py) and ``flash_attn`` (FlashAttention-4 or -2,
-layers/flash_attention.py). ``get_backend`` picks one.
+``Attention`` takes the fused qkv projection's output and does everything up to the attention
+output: QK-norm (where the model has it), rotary embedding, the store of the new K/V at
+``slot_mapping`` (-1: a padding token, stored nowhere), attention through its backend
+(layers/attention_backend.py). How is fixed when the layer is built: with a backend that brings a
+fused prologue (Triton), one kernel norms, rotates and stores; otherwise the modules do, and the
+backend stores. What changes per step (``AttentionMetadata``, the KV pool) comes in ``ForwardContext``.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-log = logging.getLogger(__name__)
+from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
+from nanostream.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from nanostream.layers.attention_backend import AttentionBackend
 
 
 @dataclass
@@ -91,101 +95,61 @@ class KVCache:
         return self.k.shape[1]
 
 
-class AttentionBackend(ABC):
-    name: str
-    supports_cuda_graphs: bool = False
-    """Decode runs without host synchronisation, reads only tensors (``max_seqlen_k`` is an upper bound)
-    and skips slot -1, so it can be captured in a CUDA graph and replayed on padded batches."""
-    prologue: Callable[..., torch.Tensor] | None = None
-    """``nanostream.kernels.qkv_prologue.qkv_prologue`` where the backend runs Triton: the model then
-    norms, rotates and stores the new tokens in one kernel, and calls ``attend`` instead of ``forward``."""
+@dataclass
+class ForwardContext:
+    """Everything a forward pass needs beyond the token ids and positions, passed down explicitly."""
 
-    @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D]."""
-
-    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
-        raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
+    attn: AttentionMetadata
+    kv_caches: list[KVCache]  # one per layer, views of the KV pool
 
 
-class TorchAttention(AttentionBackend):
-    """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device."""
+class Attention(nn.Module):
+    """qkv [T, (Hq + 2 Hkv) D] of the step's new tokens -> attention output [T, Hq D].
 
-    name = "torch"
+    ``qk_norm_eps``: RMSNorm each head's q and k first (Qwen3's QK-norm; ``q_norm``/``k_norm`` hold the
+    weights). ``rotary`` is the model's one table, shared by its layers. ``norm_kernel`` runs the QK-norm
+    where no fused prologue does.
+    """
 
-    def forward(self, q, k, v, cache, meta, scale):
-        k_pool = cache.k.view(-1, *cache.k.shape[2:])  # [num_slots, Hkv, D]
-        v_pool = cache.v.view(-1, *cache.v.shape[2:])
-        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
-        if meta.is_decode:
-            return self._decode(q, cache, meta, scale)
-        out = torch.empty_like(q)
-        bs = cache.block_size
-        for i, seq_len in enumerate(meta.seq_lens_host):
-            start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
-            slots = self._slots(meta.block_tables[i], seq_len, bs)
-            # [1, H, L, D] views for SDPA
-            qi = q[start:end].transpose(0, 1)[None]
-            ki, vi = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]
-            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own.
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out[start:end] = self._sdpa(qi, ki, vi, mask, scale)[0].transpose(0, 1)
-        return out
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        qk_norm_eps: float | None = None,
+        norm_kernel: RMSNormFn = rms_norm,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        self.backend = backend
+        self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel)
 
-    @staticmethod
-    def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-        blocks = block_table[: -(-seq_len // block_size)].long()
-        offsets = torch.arange(block_size, device=block_table.device)
-        return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:seq_len]
-
-    @staticmethod
-    def _sdpa(q, k, v, mask, scale):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-    def _decode(self, q, cache, meta, scale):
-        # All sequences at once: gather each block table's blocks, mask positions past seq_len.
-        bs = cache.block_size
-        num_blocks = -(-meta.max_seqlen_k // bs)
-        tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
-        k = cache.k[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-        v = cache.v[tables].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
-        out = self._sdpa(q[:, :, None, :], k, v, mask[:, None, None, :], scale)  # [B, Hq, 1, D]
-        return out[:, :, 0, :]
-
-
-def get_backend(
-    name: str, device: torch.device, *, dtype: torch.dtype, block_size: int, head_dim: int
-) -> AttentionBackend:
-    """The backend called ``name``. ``auto``: on CUDA, FlashAttention when it is installed and supports
-    this GPU and layout, else the Triton kernels, else torch; elsewhere torch."""
-    from nanostream.layers.flash_attention import FlashAttention, flash_attn_unavailable_reason
-    from nanostream.layers.triton_attention import TritonAttention, triton_unavailable_reason
-
-    reasons = {
-        "torch": lambda: None,
-        "triton": lambda: triton_unavailable_reason(device),
-        "flash_attn": lambda: flash_attn_unavailable_reason(device, dtype, block_size, head_dim),
-    }
-    classes = {"torch": TorchAttention, "triton": TritonAttention, "flash_attn": FlashAttention}
-    if name == "auto":
-        skipped = []
-        for candidate in ("flash_attn", "triton") if device.type == "cuda" else ():
-            reason = reasons[candidate]()
-            if reason is None:
-                log.info("attention backend: %s (auto)%s", candidate, "".join(f"; {s}" for s in skipped))
-                return classes[candidate]()
-            skipped.append(f"not {candidate}: {reason}")
-        log.info("attention backend: torch (auto)%s", "".join(f"; {s}" for s in skipped))
-        return TorchAttention()
-    if name not in classes:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(classes)}")
-    reason = reasons[name]()
-    if reason is not None:
-        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; use attention_backend='auto'")
-    return classes[name]()
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # positions: [T], qkv: [T, (Hq + 2 Hkv) D]
+        cache = ctx.kv_caches[self.layer_idx]
+        if self.prologue is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            q = self.prologue(
+                qkv, positions, self.rotary.cos, self.rotary.sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
+                self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            return self.backend.attend(q, cache, ctx.attn, self.scale).flatten(1)
+        q, k, v = qkv.split(self.split_sizes, -1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale).flatten(1)

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.attention import AttentionMetadata, KVCache
+from nanostream.layers.attention_backend import AttentionBackend
 
 FA4_ARCHS = (9, 10, 11)  # compute-capability majors where FA4 reads paged KV: Hopper, Blackwell
 FA2_MIN_ARCH = 8

@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from nanostream.layers.attention import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.attention import AttentionMetadata, KVCache
+from nanostream.layers.attention_backend import AttentionBackend
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -11,8 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanostream.errors import ModelLoadError
-
-log = logging.getLogger(__name__)
+from nanostream.models.architectures import supported_list
 
 # Checkpoint tensors that hold nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,31 +42,37 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Copy every tensor of ``path/*.safetensors`` into ``model``; raise if a parameter stays unloaded."""
+    """Copy every tensor of ``path/*.safetensors`` into ``model``; raise if a parameter stays unloaded, or if
+    a tensor has no place in the model (its weights are for another architecture than config.json names).
+
+    ``model.checkpoint_modules`` maps a checkpoint module name to (its module in ``model``, a shard of it or
+    None): ``{"q_proj": ("qkv_proj", "q"), "q_norm": ("attn.q_norm", None)}``."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(getattr(model, "spec", None), "tie_word_embeddings", False)
+    renamed = getattr(model, "checkpoint_modules", {})
+    spec = getattr(model, "spec", None)
+    tied = getattr(spec, "tie_word_embeddings", False)
     loaded: set[str] = set()
+    unexpected: list[str] = []
     for file in files:
         with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(name)
                 target, shard = name, None
                 parts = name.split(".")
                 for i, part in enumerate(parts):
-                    if part in packed:
-                        fused, shard = packed[part]
-                        target = ".".join([*parts[:i], fused, *parts[i + 1 :]])
+                    if part in renamed:
+                        module, shard = renamed[part]
+                        target = ".".join([*parts[:i], module, *parts[i + 1 :]])
                         break
                 param = params.get(target)
                 if param is None:
-                    log.warning("checkpoint tensor %s has no place in the model; ignored", name)
+                    unexpected.append(name)
                     continue
+                tensor = f.get_tensor(name)
                 with torch.no_grad():
                     if shard is None:
                         if param.shape != tensor.shape:
@@ -80,6 +84,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
                         module = model.get_submodule(target.rsplit(".", 1)[0])
                         module.load_shard(param, tensor, shard)
                 loaded.add(f"{target}:{shard}")
+    if unexpected:
+        arch = getattr(spec, "architecture", "this model")
+        raise ModelLoadError(
+            f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "
+            f"{', '.join(unexpected[:3])}; is config.json's architectures right? nanostream runs {supported_list()}"
+        )
     missing = []
     for pname, _ in model.named_parameters():
         shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shard_offsets", None)

@@ -60,6 +60,36 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *
     return fast
 
 
+TINY_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+LLAMA3_ROPE_SCALING = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
+)
+"""Llama 3 rope scaling for a tiny model (``rope_scaling=`` of make_tiny_model): with head_dim 16, three of its
+eight frequencies are kept, one is interpolated and four are slowed down."""
+TINY_PRESETS: dict[str, dict] = {
+    "llama": dict(architecture="LlamaForCausalLM", seed=3, tie_word_embeddings=False),
+    "llama3": dict(  # Llama 3 rope scaling, biases on attention and MLP
+        architecture="LlamaForCausalLM",
+        seed=4,
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(architecture="MistralForCausalLM", seed=5),  # tied embeddings
+}
+"""make_tiny_model arguments of the tests' Llama and Mistral models: ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
+
+
+def _classes(architecture: str):
+    import transformers
+
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
+    prefix = architecture.removesuffix("ForCausalLM")  # Qwen3ForCausalLM -> transformers.Qwen3Config
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, architecture)
+
+
 def make_tiny_model(
     path: str | os.PathLike,
     *,
@@ -70,11 +100,12 @@ def make_tiny_model(
 ) -> Path:
     """Write a tiny random model directory at ``path`` and return its path.
 
-    ``architecture`` is "Qwen3ForCausalLM" or "Qwen2ForCausalLM". ``init_std`` is larger than a real
-    model's so that next-token distributions are peaked and greedy choices are not near-ties.
+    ``architecture``: one of ``TINY_ARCHITECTURES``; ``config_overrides`` go to its transformers config
+    class (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off
+    unless given. ``init_std`` is larger than a real model's so that next-token distributions are peaked
+    and greedy choices are not near-ties. The same architecture, shape and seed give the same weights.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
+    config_cls, model_cls = _classes(architecture)
     path = Path(path)
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -92,12 +123,9 @@ def make_tiny_model(
         pad_token_id=eos,
     )
     if architecture == "Qwen3ForCausalLM":
-        config_cls, model_cls = Qwen3Config, Qwen3ForCausalLM
         kwargs["head_dim"] = 16
-    elif architecture == "Qwen2ForCausalLM":
-        config_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
-    else:
-        raise ValueError(f"architecture must be Qwen3ForCausalLM or Qwen2ForCausalLM, got {architecture!r}")
+    elif architecture == "MistralForCausalLM":
+        kwargs["sliding_window"] = None
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
     model = model_cls(config).to(torch.float32)

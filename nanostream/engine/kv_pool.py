@@ -1,0 +1,119 @@
+"""The KV pool: how many blocks fit, and the one allocation that holds them all.
+
+The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D]; each layer's ``KVCache`` is a
+view of it. Its size is, in order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on
+CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured by running it); on CPU, at
+most 1 GiB and never more than the engine can ever fill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanostream.config import EngineConfig
+from nanostream.engine.sequence import Sequence
+from nanostream.errors import ModelLoadError
+from nanostream.layers.attention import KVCache
+from nanostream.models import DecoderSpec
+from nanostream.sampling_params import SamplingParams
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def allocate_kv_pool(
+    spec: DecoderSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    """One zeroed pool; a ``KVCache`` of views [num_blocks, block_size, Hkv, D] per layer."""
+    shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    pool = torch.zeros(shape, dtype=dtype, device=device)
+    return [KVCache(pool[0, i], pool[1, i]) for i in range(spec.num_layers)]
+
+
+def plan_num_kv_blocks(
+    config: EngineConfig, block_bytes: int, device: torch.device, cuda_budget: Callable[[], int]
+) -> int:
+    """The pool's size in blocks. ``cuda_budget()`` measures the bytes CUDA leaves (``measure_cuda_kv_budget``)."""
+    cfg = config
+    if cfg.num_kvcache_blocks is not None:
+        return cfg.num_kvcache_blocks
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        budget = cuda_budget()
+    else:
+        # CPU memory is shared with everything else: never more than the engine can ever fill.
+        most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size)
+        budget = min(CPU_DEFAULT_KV_BYTES, most * block_bytes)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ModelLoadError(
+            f"no room for a single KV block of {block_bytes} bytes (budget {budget} bytes); "
+            "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower kvcache_block_size"
+        )
+    return num_blocks
+
+
+@dataclass(frozen=True)
+class WarmupChunk:
+    """A chunk of a made-up sequence (``step_inputs.Chunk``), for the warm-up step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    samples: bool = True
+
+
+def worst_step(config: EngineConfig) -> tuple[int, list[WarmupChunk]]:
+    """The step that peaks memory, as the scheduler makes them, and the KV blocks its chunks use.
+
+    A mixed step: a decode row first, then prompts filling ``max_num_batched_tokens``. Running it also
+    builds what a mixed step needs on first use (FlashAttention-4 compiles its decode and prefill
+    variants, seconds each), at start-up and not in the middle of serving."""
+    cfg, bs = config, config.kvcache_block_size
+    seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+    num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+    blocks_per_seq = -(-seq_len // bs)
+
+    def chunk(i: int, num_tokens: int, num_computed: int = 0) -> WarmupChunk:
+        seq = Sequence(
+            f"warmup-{i}",
+            [0] * (num_computed + num_tokens),
+            SamplingParams(),
+            max_tokens=1,
+            sampling_seed=0,
+            stop_token_ids=frozenset(),
+        )
+        seq.num_computed_tokens = num_computed
+        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        return WarmupChunk(seq, num_computed, num_tokens)
+
+    chunks = [chunk(i, seq_len) for i in range(num_seqs)]
+    if seq_len > 1 and num_seqs < cfg.max_num_seqs:
+        # The decode row reads one token of context from the last prompt's blocks (not yet written:
+        # only the kernels' shapes matter), and takes its token from the first prompt.
+        chunks = [chunk(num_seqs - 1, 1, num_computed=1), chunk(0, seq_len - 1), *chunks[1:]]
+    return num_seqs * blocks_per_seq, chunks
+
+
+def measure_cuda_kv_budget(device: torch.device, utilization: float, run_worst_step: Callable[[], None]) -> int:
+    """Bytes left for KV after the worst step: total * utilisation - (everything else at its peak).
+
+    ``run_worst_step()`` allocates what it needs (a small KV pool too), runs the step and frees it all."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    run_worst_step()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    # Memory in use now (weights, other processes), plus what the worst forward pass adds at its peak.
+    used = total - free + peak - current
+    return int(total * utilization - used)

@@ -1,0 +1,121 @@
+"""Packing a step's chunks into one varlen batch on the device: token ids, positions, attention metadata.
+
+A chunk is what the scheduler hands the runner (``scheduler.ScheduledChunk`` is one): which tokens of
+which sequence to compute. Host lists go up through pinned memory, one copy per dtype, so the step's
+only host synchronisation is reading its samples back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from nanostream.engine.sampler import SamplerOutput
+from nanostream.engine.sequence import PENDING, Sequence
+from nanostream.layers.attention import AttentionMetadata
+
+
+class Chunk(Protocol):
+    """What the runner reads of one scheduled chunk."""
+
+    @property
+    def seq(self) -> Sequence: ...
+    @property
+    def start(self) -> int: ...  # seq.num_computed_tokens when scheduled: the chunk's first token
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def samples(self) -> bool: ...  # the chunk reaches the sequence's end: the step samples a token
+
+
+class PendingSource(Protocol):
+    """The step in flight, whose samples are the values of this step's PENDING tokens."""
+
+    rows: dict[str, int]  # request id -> row of its sample
+    out: SamplerOutput | None  # its token_ids [B], on the device, hold the pending tokens' values
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows of the hidden states whose logits are sampled (chunks that reach the end)
+
+
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    # Through pinned memory, so the copy is asynchronous: the step's only sync is reading the samples.
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def to_device_packed(device: torch.device, dtype: torch.dtype, *parts: list) -> list[torch.Tensor]:
+    """Flat host lists as device tensors of one dtype, sent in one copy; each a view of it that starts
+    on a 16-element boundary (64 bytes or more), as kernels that assume aligned pointers need."""
+    flat: list = []
+    sizes = []
+    for part in parts:
+        sizes.append(len(part))
+        flat += part
+        flat += [0] * (-len(part) % 16)
+    buffer = to_device(flat, dtype, device)
+    views, offset = [], 0
+    for n in sizes:
+        views.append(buffer[offset : offset + n])
+        offset += n + (-n % 16)
+    return views
+
+
+def pack_step(
+    chunks: list[Chunk], block_size: int, device: torch.device, prev: PendingSource | None = None
+) -> StepInputs:
+    """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
+    bs = block_size
+    pending: list[tuple[int, int]] = []  # (row of input_ids, row of prev's samples)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_q, seq_lens, sample_rows = [0], [], []
+    for chunk in chunks:
+        seq, start = chunk.seq, chunk.start
+        end = start + chunk.num_new_tokens
+        for i in range(max(start, end - 2), end):  # only a sequence's last two tokens can be pending
+            if seq.token_ids[i] == PENDING:
+                assert prev is not None, f"{seq} has a pending token but no step is in flight"
+                pending.append((len(input_ids) + i - start, prev.rows[seq.request_id]))
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        for b in range(start // bs, (end - 1) // bs + 1):  # slots, one block range at a time
+            base = seq.block_table[b] * bs - b * bs
+            slots += range(base + max(start, b * bs), base + min(end, (b + 1) * bs))
+        cu_q.append(cu_q[-1] + chunk.num_new_tokens)
+        seq_lens.append(end)
+        if chunk.samples:
+            sample_rows.append(cu_q[-1] - 1)
+    width = max(len(c.seq.block_table) for c in chunks)
+    tables: list[int] = []
+    for c in chunks:
+        tables += c.seq.block_table
+        tables += [0] * (width - len(c.seq.block_table))
+    for row, _ in pending:
+        input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
+    rows, prev_rows = (list(x) for x in zip(*pending)) if pending else ([], [])
+    # Two copies up, one per dtype, instead of one per tensor.
+    ids, pos, slot_mapping, rows_t, prev_rows_t = to_device_packed(
+        device, torch.int64, input_ids, positions, slots, rows, prev_rows
+    )
+    cu_seqlens_q, seq_lens_t, block_tables = to_device_packed(device, torch.int32, cu_q, seq_lens, tables)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens_t,
+        block_tables=block_tables.view(len(chunks), width),
+        max_seqlen_q=max(c.num_new_tokens for c in chunks),
+        max_seqlen_k=max(seq_lens),
+        cu_seqlens_q_host=cu_q,
+        seq_lens_host=seq_lens,
+    )
+    if pending:  # on the device, after the step in flight has sampled them: no host round trip
+        ids[rows_t] = prev.out.token_ids[prev_rows_t]
+    return StepInputs(ids, pos, meta, sample_rows)

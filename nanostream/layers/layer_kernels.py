@@ -1,0 +1,76 @@
+"""Which implementation each layer of a model runs, chosen once and handed to the layers as they are built.
+
+- A backend that runs Triton (``triton``, ``flash_attn``: its ``prologue`` is set): the attention layers
+  norm, rotate and store K/V in the fused prologue, and the norms and SiLU-and-mul are Triton kernels
+  too (``nanostream.kernels.norm_act``): one launch each, where a compiled function's call costs its
+  guards on the host (the model runs eagerly at prefill). Nothing is left for torch.compile.
+- Otherwise, with ``compile`` (the ``torch`` backend on CUDA with ``torch_compile``): the torch code of the
+  elementwise layers (norms, rotary, SiLU-and-mul), torch.compile'd, fuses into one kernel each.
+- Otherwise the torch code, eagerly.
+
+Compiling leaves dynamo's process-wide settings as they were. Each compiled function is one form
+(a norm with a residual add is another function than one without), so its variants (rank, a batch
+of one, a head count of one) stay within dynamo's default recompile limit of 8; past it calls would
+run uncompiled, not wrongly. Where ``torch.compile`` takes them (torch 2.13+), each call also gets its
+own limit and its own cache (``recompile_limit``, ``isolate_recompiles``), so two engines in one
+process do not share one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanostream.layers.activation import silu_and_mul
+from nanostream.layers.attention_backend import AttentionBackend
+from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
+from nanostream.layers.rotary import RotaryFn, apply_rotary
+
+RECOMPILE_LIMIT = 16  # per compiled function, where torch.compile takes one
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The attention backend and the elementwise implementations a model's layers are built with."""
+
+    attention: AttentionBackend
+    rms_norm: RMSNormFn = rms_norm
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+    rotary: RotaryFn = apply_rotary  # unused where the attention backend's prologue rotates
+
+    @classmethod
+    def for_backend(cls, backend: AttentionBackend, *, compile: bool = False) -> LayerKernels:
+        """Triton kernels where the backend runs Triton; else the torch code, compiled if ``compile``::
+
+        kernels = LayerKernels.for_backend(get_backend("auto", device, ...), compile=device.type == "cuda")
+        """
+        if backend.prologue is not None:
+            from nanostream.kernels.norm_act import rms_norm as triton_rms_norm
+            from nanostream.kernels.norm_act import silu_and_mul as triton_silu_and_mul
+
+            return cls(backend, rms_norm=triton_rms_norm, silu_and_mul=triton_silu_and_mul)
+        if compile:
+            return cls(
+                backend,
+                rms_norm=compiled_rms_norm(compile_elementwise),
+                silu_and_mul=compile_elementwise(silu_and_mul),
+                rotary=compile_elementwise(apply_rotary),
+            )
+        return cls(backend)
+
+
+@functools.cache
+def _compile_options() -> dict[str, object]:
+    params = inspect.signature(torch.compile).parameters
+    if "recompile_limit" in params and "isolate_recompiles" in params:
+        return {"recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
+    return {}
+
+
+def compile_elementwise(fn: Callable) -> Callable:
+    """``torch.compile(fn, dynamic=True)`` with its own recompile limit where torch has one; no global setting."""
+    return torch.compile(fn, dynamic=True, **_compile_options())

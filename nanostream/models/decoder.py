@@ -1,0 +1,150 @@
+"""The decoder shared by every supported architecture (Qwen3, Qwen2, Llama, Mistral).
+
+What one family does differently (QK-norm, biases, rope scaling, ...) is a field of ``DecoderSpec``, read
+from its config.json by the declarations of models/architectures.py. Which kernels the layers run comes
+with ``LayerKernels`` at construction. Parameter names follow the Hugging Face checkpoints; where a
+module sits elsewhere here (the fused ``qkv_proj`` and ``gate_up_proj``, the QK-norms inside the
+attention layer) ``checkpoint_modules`` says where its tensors go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanostream.layers.activation import SiluAndMul
+from nanostream.layers.attention import Attention, ForwardContext
+from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.layers.linear import MergedLinear
+from nanostream.layers.norm import RMSNorm
+from nanostream.layers.rotary import Llama3RopeScaling, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a decoder, read from a Hugging Face config (models/architectures.py)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    mlp_bias: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+
+
+class SelfAttention(nn.Module):
+    """Fused q/k/v projection -> the attention layer -> output projection."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, kernels: LayerKernels) -> None:
+        super().__init__()
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.qkv_bias)
+        self.attn = Attention(
+            layer_idx,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            rotary,
+            kernels.attention,
+            qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+            norm_kernel=kernels.rms_norm,
+        )
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # x: [T, hidden]
+        return self.o_proj(self.attn(positions, self.qkv_proj(x), ctx))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, bias=spec.mlp_bias)
+        self.act = SiluAndMul(kernels.silu_and_mul)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, kernels: LayerKernels) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
+        self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
+        self.mlp = MLP(spec, kernels)
+
+    def forward(self, positions, x, residual, ctx):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # One table for every layer (the attention layers hold it, as does this module).
+        self.rotary = RotaryEmbedding(
+            spec.head_dim, spec.max_position, spec.rope_theta, spec.rope_scaling, kernel=kernels.rotary
+        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary, kernels) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """``forward`` gives hidden states [T, hidden]; ``compute_logits`` turns selected rows into logits.
+
+    model = DecoderForCausalLM(decoder_spec(hf_config, max_model_len=4096), LayerKernels(TorchAttention()))
+    """
+
+    # checkpoint module name -> (module here, shard of it or None)
+    checkpoint_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+        "q_norm": ("attn.q_norm", None),
+        "k_norm": ("attn.k_norm", None),
+    }
+
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, kernels)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # the model's dtype: the sampler upcasts where it must

@@ -1,0 +1,157 @@
+"""The shared decoder: what each architecture's declaration reads from config.json, what it refuses, and
+the kernels its layers get at construction (token parity with transformers: test_hf_parity.py)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from nanostream import LLM, ModelLoadError
+from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.sequence import Sequence
+from nanostream.engine.step_inputs import pack_step
+from nanostream.layers import layer_kernels, norm, rotary
+from nanostream.layers.activation import SiluAndMul, silu_and_mul
+from nanostream.layers.attention import Attention, ForwardContext
+from nanostream.layers.attention_backend import TorchAttention
+from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.layers.norm import RMSNorm
+from nanostream.models import SUPPORTED_ARCHITECTURES, decoder_spec, load_model
+from nanostream.sampling_params import SamplingParams
+
+ALL = "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def spec_of(config_cls, arch, max_model_len=1024, **kwargs):
+    return decoder_spec(config_cls(architectures=[arch], **SMALL, **kwargs), max_model_len=max_model_len)
+
+
+def test_each_declaration_reads_its_config():
+    qwen3 = spec_of(Qwen3Config, "Qwen3ForCausalLM", head_dim=16, attention_bias=True)
+    assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.o_bias, qwen3.head_dim) == (True, True, True, 16)
+    qwen2 = spec_of(Qwen2Config, "Qwen2ForCausalLM", tie_word_embeddings=True)
+    assert (qwen2.qk_norm, qwen2.qkv_bias, qwen2.o_bias, qwen2.tie_word_embeddings) == (False, True, False, True)
+    llama = spec_of(LlamaConfig, "LlamaForCausalLM", mlp_bias=True, rope_theta=500000.0)
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.rope_theta, llama.rope_scaling) == (
+        False, False, True, 500000.0, None,
+    )  # fmt: skip
+    scaled = spec_of(LlamaConfig, "LlamaForCausalLM", rope_scaling=dict(rope_type="llama3", factor=32.0,
+                     low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))  # fmt: skip
+    assert scaled.rope_scaling == rotary.Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
+    mistral = spec_of(MistralConfig, "MistralForCausalLM", sliding_window=None)
+    assert (mistral.qk_norm, mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias) == (False,) * 4
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    assert ", ".join(SUPPORTED_ARCHITECTURES) == ALL
+    with pytest.raises(ModelLoadError, match=f"unsupported architecture.*GPT2LMHeadModel.*nanostream runs {ALL}"):
+        spec_of(LlamaConfig, "GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize(
+    "config_cls, arch, rope, expected",
+    [
+        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="yarn", factor=4.0), "nanostream runs default, llama3"),
+        (Qwen3Config, "Qwen3ForCausalLM", dict(rope_type="llama3", factor=8.0), "nanostream runs default$"),
+        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="llama3", factor=8.0), "lacks low_freq_factor"),
+    ],
+)
+def test_unsupported_rope_is_refused(config_cls, arch, rope, expected):
+    config = config_cls(architectures=[arch], **SMALL)
+    config.rope_parameters = {"rope_theta": 10000.0, **rope}  # as config.json would give it
+    with pytest.raises(ModelLoadError, match=expected):
+        decoder_spec(config, max_model_len=1024)
+
+
+def test_sliding_window_shorter_than_max_model_len_is_refused():
+    with pytest.raises(ModelLoadError, match="over 4096 tokens.*set max_model_len=4096"):
+        spec_of(MistralConfig, "MistralForCausalLM", max_model_len=32768, sliding_window=4096)
+    assert spec_of(MistralConfig, "MistralForCausalLM", max_model_len=4096, sliding_window=4096)
+    # Qwen's window counts only where use_sliding_window turns it on
+    assert spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096)
+    with pytest.raises(ModelLoadError, match="over 4096 tokens"):
+        spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096, use_sliding_window=True)
+
+
+def test_checkpoint_of_another_architecture_is_refused(qwen3_dir, tmp_path):
+    # Qwen3 weights labelled Llama: the QK-norm weights have no place, and dropping them would be silent garbage.
+    model = tmp_path / "mislabelled"
+    shutil.copytree(qwen3_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=f"LlamaForCausalLM has no place for.*q_norm.weight.*runs {ALL}"):
+        LLM(str(model), device="cpu")
+
+
+def build(model_dir, kernels):
+    spec = decoder_spec(AutoConfig.from_pretrained(model_dir), max_model_len=2048)
+    return load_model(spec, kernels, Path(model_dir), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_layers_get_their_kernels_at_construction(qwen3_dir):
+    from nanostream.kernels import norm_act
+    from nanostream.kernels.qkv_prologue import qkv_prologue
+    from nanostream.layers.triton_attention import TritonAttention
+
+    for backend, norm_fn, act_fn, prologue in [
+        (TorchAttention(), norm.rms_norm, silu_and_mul, None),
+        (TritonAttention(), norm_act.rms_norm, norm_act.silu_and_mul, qkv_prologue),
+    ]:
+        model = build(qwen3_dir, LayerKernels.for_backend(backend))
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        assert len(norms) == 2 * 2 + 1 + 2 * 2  # per layer: two norms and the QK-norms; the final norm
+        assert all(m.kernel is norm_fn for m in norms)
+        assert all(m.kernel is act_fn for m in model.modules() if isinstance(m, SiluAndMul))
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        assert len(attns) == 2 and all(a.backend is backend and a.prologue is prologue for a in attns)
+        assert model.model.rotary.kernel is rotary.apply_rotary and all(a.rotary is model.model.rotary for a in attns)
+
+
+def run_steps(model, spec, steps):
+    """Hidden states of ``steps`` (each a list of (new tokens, cached tokens) per sequence) on a fresh pool."""
+    outs = []
+    for step in steps:
+        kv = allocate_kv_pool(spec, 64, 16, torch.float32, torch.device("cpu"))
+        chunks = []
+        for i, (new, cached) in enumerate(step):
+            seq = Sequence(f"s{i}", list(range(3, 3 + new + cached)), SamplingParams(), max_tokens=1,
+                           sampling_seed=0, stop_token_ids=frozenset())  # fmt: skip
+            seq.block_table = list(range(8 * i, 8 * i + 8))
+            chunks.append(WarmupChunk(seq, cached, new))
+        inputs = pack_step(chunks, 16, torch.device("cpu"))
+        with torch.inference_mode():
+            outs.append(model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv)))
+    return outs
+
+
+def test_compiled_layers_stay_within_dynamo_defaults_and_leave_its_config_alone(tmp_path, monkeypatch):
+    # Compiled with a counting backend (dynamo traces and guards as for inductor, without its compile time):
+    # every variant the engine's steps make (rank, a residual or not, a batch of one, one KV head) stays
+    # within dynamo's default limit of 8 per compiled function, so nothing needs the process-wide setting.
+    from nanostream.testing import make_tiny_model
+
+    compiles: dict[str, int] = {}
+
+    def counting(fn):
+        def backend(graph, example_inputs):
+            compiles[fn.__name__] = compiles.get(fn.__name__, 0) + 1
+            return graph.forward
+
+        return torch.compile(fn, dynamic=True, backend=backend)
+
+    monkeypatch.setattr(layer_kernels, "compile_elementwise", counting)
+    path = make_tiny_model(tmp_path, num_key_value_heads=1, head_dim=16)
+    before = torch._dynamo.config.get_config_copy()
+    eager = build(path, LayerKernels.for_backend(TorchAttention()))
+    compiled = build(path, LayerKernels.for_backend(TorchAttention(), compile=True))
+    steps = [[(7, 0), (5, 0)], [(1, 0)], [(1, 5), (1, 9)], [(1, 3), (30, 0)], [(33, 0)], [(1, 40)]]
+    for ours, ref in zip(run_steps(compiled, compiled.spec, steps), run_steps(eager, eager.spec, steps)):
+        assert torch.equal(ours, ref)
+    assert set(compiles) == {"_norm", "_add_norm", "silu_and_mul", "apply_rotary"}
+    assert max(compiles.values()) <= 8, compiles
+    assert torch._dynamo.config.get_config_copy() == before
