@@ -45,7 +45,7 @@ class StepTimer:
                 times = tokens.get(delta.request_id)
                 if times is None:
                     times = tokens[delta.request_id] = array("d")
-                times.extend([end] * len(delta.new_token_ids))
+                times.extend([end] * len(delta.token_ids))
             return result
 
         return timed_step
