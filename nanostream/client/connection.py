@@ -166,7 +166,7 @@ class Connection:
         self._state = "closed"
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._sock.close(linger=200)  # (ms) time for the Bye to go out; nothing else waits to be sent
         self._ctx.term()
 
     def _check_open(self) -> None:

@@ -233,7 +233,10 @@ class EngineServer:
         """Forget a client and abort its requests; ``notify`` tells it (it may still be listening)."""
         level = logging.WARNING if client.requests else logging.INFO
         log.log(level, "client %s %s: dropped, aborting its %d request(s)", client.name, why, len(client.requests))
-        self.dropped_clients += why not in ("said goodbye", "was refused")
+        # Counted: the drops that cost a client something. A goodbye, or a closed connection with nothing
+        # open, is how a client leaves.
+        leaving = why in ("said goodbye", "was refused") or (why == "disconnected" and not client.requests)
+        self.dropped_clients += not leaving
         self.requests.forget_client(client)
         del self.clients[client.identity]
         self.transport.unregister(client.identity)
