@@ -9,15 +9,12 @@ CUDA graph captured at one batch size replays correctly for any context up to th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels._device import LOG2E, num_sms
 from nanostream.kernels.attention_tile import fold_kv_tile
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes every step
@@ -94,16 +91,9 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o, mask=d < D)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16  # the interpreter on CPU: any value works
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def num_decode_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to fill the GPU about twice, never a split under 64 tokens."""
-    want = -(-2 * _num_sms(device) // (batch_size * num_kv_heads))
+    want = -(-2 * num_sms(device) // (batch_size * num_kv_heads))
     return max(1, min(want, -(-max_seq_len // 64), 64))
 
 
@@ -147,7 +137,7 @@ def paged_decode_attention(
         part = lse = out  # unused
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=64, PAGE=page, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,

@@ -13,9 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels._device import LOG2E
 from nanostream.kernels.attention_tile import fold_kv_tile
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes every step
@@ -121,7 +120,7 @@ def paged_prefill_attention(
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=page, IEEE=fp32,

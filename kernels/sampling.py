@@ -10,12 +10,13 @@ V = 151,936: 0.14 ms at B = 256 against the torch path's 4.7 ms (~25 int64 passe
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from nanostream.kernels._device import num_sms
 
 _BLOCK = 1024  # tokens per tile
 _MIN_SPLIT_TILES = 8  # a V-split shorter than this costs more in partials than it gains in parallelism
@@ -105,13 +106,6 @@ def _pick_split_kernel(val_ptr, idx_ptr, out_ptr, num_splits, BLOCK_S: tl.conste
     tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 9223372036854775807), 0))
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a small stand-in so CPU tests exercise the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
     if t.dtype != dtype:
         raise ValueError(f"race_sample: {name} must be {dtype}, got {t.dtype}")
@@ -158,7 +152,7 @@ def race_sample(
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     if num_splits is None:
         # ~4 programs per SM when the batch alone does not fill the GPU, but no split under 8 tiles.
-        num_splits = min(triton.cdiv(4 * _num_sms(logits.device), batch), triton.cdiv(vocab, _MIN_SPLIT_TILES * _BLOCK))
+        num_splits = min(triton.cdiv(4 * num_sms(logits.device), batch), triton.cdiv(vocab, _MIN_SPLIT_TILES * _BLOCK))
     chunk = triton.cdiv(triton.cdiv(vocab, max(num_splits, 1)), _BLOCK) * _BLOCK
     num_splits = triton.cdiv(vocab, chunk)  # no empty split
     val = torch.empty(batch, num_splits, dtype=torch.float32, device=logits.device)
