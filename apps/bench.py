@@ -36,42 +36,23 @@ import contextlib
 import gc
 import json
 import random
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from presets import PRESETS, random_model
+from tables import format_table
 
 from nanostream import LLM, SamplingParams
 from nanostream.cli import add_engine_args
 from nanostream.cli import engine_kwargs as engine_args
 from nanostream.config import EngineConfig
-from nanostream.testing import make_tiny_model
 
 TEMPERATURE = 0.6
 PROMPT_VOCAB = 10000  # nano-vLLM draws prompt ids below this
-
-# make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
-# model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
-PRESETS: dict[str, dict] = {
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        init_std=0.02,
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -125,18 +106,7 @@ def model_dir(args: argparse.Namespace) -> Iterator[Path]:
     if args.model:
         yield Path(args.model)
         return
-    overrides = {**PRESETS.get(args.preset, {}), **args.tiny_config}
-    spec = json.dumps(overrides, sort_keys=True)
-    with contextlib.ExitStack() as stack:
-        path = Path(args.build_dir) if args.build_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        stamp = path / "bench_build.json"
-        if stamp.is_file() and stamp.read_text() == spec:
-            print(f"model: reusing {path} ({spec})")
-        else:
-            t = time.perf_counter()
-            make_tiny_model(path, **overrides)
-            stamp.write_text(spec)
-            print(f"model: built {path} ({spec}) in {time.perf_counter() - t:.1f} s")
+    with random_model(args.preset, args.tiny_config, args.build_dir) as path:
         yield path
 
 
@@ -190,6 +160,10 @@ def run_nanostream(
     )
     if instrument is not None:
         instrument(llm)
+    # What start-up and warm-up made lives for the whole run: keep the collector's full passes off it (one
+    # stalled a step for 280 ms on an H200), as `nanostream serve` does. Given back with the engine below.
+    gc.collect()
+    gc.freeze()
     stats = StepStats(llm) if step_stats else None
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
@@ -212,6 +186,7 @@ def run_nanostream(
         after(llm)
     name = "nanostream" if "attention_backend" not in engine_kwargs else f"nanostream[{llm.engine.runner.backend.name}]"
     del llm  # free the engine (weights, KV pool, graphs) before the next one starts
+    gc.unfreeze()
     gc.collect()
     if cfg.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -259,12 +234,6 @@ def run_hf(
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     output_tokens = sum(r.max_tokens for r in workload)
     return Result(f"hf (bs={batch_size})", len(workload), prompt_tokens, output_tokens, elapsed)
-
-
-def format_table(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Lines of a plain-text table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:]))]) for row in rows]
 
 
 def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: int = 12) -> None:

@@ -76,13 +76,13 @@ from bench import (
     add_workload_args,
     check_workload_args,
     engine_options,
-    format_table,
     load_workload,
     make_warmup,
     model_dir,
     run_nanostream,
 )
 from serve_timed import StepTimer
+from tables import format_table
 
 from nanostream import AsyncClient, SamplingParams
 from nanostream.cli import add_engine_args

@@ -1,0 +1,65 @@
+"""Model shapes the benchmarks build with random weights, and the build itself (reused when built alike).
+
+    python apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random
+    with random_model(QWEN3_0_6B, {}, "/tmp/qwen3-0.6b-random") as path: ...
+
+This module imports nothing of nanostream until a model is built, so that apps/bench_kernels.py's
+kernel sections can read the attention shape on a machine where nanostream does not import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+QWEN3_0_6B = "qwen3-0.6b"
+
+# make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
+# model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
+PRESETS: dict[str, dict] = {
+    QWEN3_0_6B: dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        init_std=0.02,
+    ),
+}
+
+
+def attention_shape(preset: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a preset."""
+    p = PRESETS[preset]
+    return p["num_attention_heads"], p["num_key_value_heads"], p["head_dim"]
+
+
+@contextlib.contextmanager
+def random_model(preset: str | None, tiny_config: dict, build_dir: str | None) -> Iterator[Path]:
+    """A random model of ``preset``'s shape with ``tiny_config`` over it (both optional: make_tiny_model's
+    defaults), built into ``build_dir`` and kept (reused when built alike), or into a temp dir."""
+    from nanostream.testing import make_tiny_model
+
+    overrides = {**PRESETS.get(preset, {}), **tiny_config}
+    spec = json.dumps(overrides, sort_keys=True)
+    with contextlib.ExitStack() as stack:
+        path = Path(build_dir) if build_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        stamp = path / "bench_build.json"
+        if stamp.is_file() and stamp.read_text() == spec:
+            print(f"model: reusing {path} ({spec})")
+        else:
+            t = time.perf_counter()
+            make_tiny_model(path, **overrides)
+            stamp.write_text(spec)
+            print(f"model: built {path} ({spec}) in {time.perf_counter() - t:.1f} s")
+        yield path
