@@ -8,7 +8,8 @@ Usage::
     python apps/bench.py --model /models/Qwen3-0.6B --hf
 
 Workload (nano-vLLM's ``bench.py``): ``random.seed(seed)``; then, for each request, a prompt length in
-[min_input_len, max_input_len] and that many token ids in [0, min(10000, vocab)); then, for each
+[min_input_len, max_input_len] and that many token ids in [0, min(10000, vocab - 1)] (``randint``, both
+ends included: 142,827 prompt and 133,966 output tokens at the defaults); then, for each
 request, max_tokens in [min_output_len, max_output_len]. Every request samples at temperature 0.6
 with ignore_eos, so it generates exactly max_tokens tokens.
 
@@ -91,9 +92,9 @@ class Result:
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     """nano-vLLM's draws, in its order: all prompts first, then all max_tokens."""
     random.seed(args.seed)
-    high = min(PROMPT_VOCAB, vocab_size)
+    high = min(PROMPT_VOCAB, vocab_size - 1)  # inclusive, as nano-vLLM's randint(0, 10000)
     prompts = [
-        [random.randrange(high) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
+        [random.randint(0, high) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
         for _ in range(args.num_requests)
     ]
     max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)]
