@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add before it) and SiLU-and-mul, one Triton kernel each.
 
-They do what ``nanostream.layers.norm.RMSNorm`` and ``nanostream.models.qwen.SiluAndMul`` do, with
+They do what ``nanostream.layers.norm.RMSNorm`` and ``nanostream.layers.activation.SiluAndMul`` do, with
 the roundings of those modules run eagerly (Hugging Face's order of operations). Each costs a kernel
 launch on the host, where a call into a torch.compile'd module costs its guards and wrappers: at
 prefill, where the model runs eagerly, three such calls per layer made a step wait on the host.

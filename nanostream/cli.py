@@ -160,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight model directory")
     tiny.add_argument("dir")
-    tiny.add_argument("--architecture", default="Qwen3ForCausalLM", choices=["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+    tiny.add_argument(  # checked by make_tiny_model: importing it here would load torch for every command
+        "--architecture",
+        default="Qwen3ForCausalLM",
+        help="Qwen3ForCausalLM (default), Qwen2ForCausalLM, LlamaForCausalLM or MistralForCausalLM",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
 

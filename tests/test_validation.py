@@ -136,12 +136,23 @@ def test_config_is_frozen_and_resolved_as_a_copy():
 
 
 def test_unsupported_architecture_names_supported_ones(qwen3_dir, tmp_path):
+    model = tmp_path / "gpt2"
+    shutil.copytree(qwen3_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*Qwen3ForCausalLM.*LlamaForCausalLM.*MistralForCausalLM"):
+        LLM(str(model), device="cpu")
+
+
+def test_qwen3_weights_labelled_llama_are_refused_not_silently_stripped(qwen3_dir, tmp_path):
+    # Llama has no QK-norm: loading Qwen3's weights as Llama would drop them and run a different model.
     model = tmp_path / "llama"
     shutil.copytree(qwen3_dir, model)
     cfg = json.loads((model / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="Qwen3ForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ModelLoadError, match="q_norm|k_norm"):
         LLM(str(model), device="cpu")
 
 
