@@ -20,8 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanostream.layers import flash_attention as fa
-from nanostream.layers.attention import AttentionMetadata, KVCache
-from nanostream.layers.attention_backend import TorchAttention
+from nanostream.layers.attention_backend import AttentionMetadata, KVCache, TorchAttention
 from nanostream.layers.flash_attention import FlashAttention, flash_attn_unavailable_reason
 
 SCALE = 0.3  # not head_dim ** -0.5, so a scale the backend drops (library default) shows

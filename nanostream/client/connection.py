@@ -29,7 +29,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
-from nanostream.client.stream import _Mailbox
+from nanostream.client.output_processor import OutputProcessor
 from nanostream.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -65,6 +65,31 @@ def _load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
         with contextlib.suppress(OSError):  # another process got there first
             tmp.rename(path)
     return AutoTokenizer.from_pretrained(path if path.is_dir() else tmp)
+
+
+class _Mailbox:
+    """Where the client's reader leaves one request's deltas: merged into its output processor at
+    once (the reader never waits on the consumer), with an event that wakes the consumer."""
+
+    def __init__(self, processor: OutputProcessor) -> None:
+        self.processor = processor
+        self.failure: BaseException | None = None
+        self._event = anyio.Event()
+
+    def put(self, delta: p.RequestDelta) -> None:
+        self.processor.put(delta)
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.processor.ends_pending:  # a request whose last delta is here lost nothing
+            self.failure = exc
+            self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
+        if self.failure is not None:
+            raise self.failure
 
 
 class Connection:

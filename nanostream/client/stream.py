@@ -1,48 +1,17 @@
-"""One request's output stream: the mailbox the client's reader fills and the async iterator that
-drains it through the request's ``OutputProcessor``."""
+"""One request's output stream: the async iterator that drains the request's mailbox (which the
+connection's reader fills) through its ``OutputProcessor``."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import TYPE_CHECKING
 
-import anyio
-
+from nanostream.client.connection import Connection, _Mailbox
 from nanostream.client.output_processor import OutputProcessor
 from nanostream.outputs import Completion, StreamChunk
-from nanostream.protocol import RequestDelta
 from nanostream.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from nanostream.client.async_client import AsyncClient
-
 __all__ = ["Completion", "Stream", "StreamChunk"]
-
-
-class _Mailbox:
-    """Where the client's reader leaves one request's deltas: merged into its output processor at
-    once (the reader never waits on the consumer), with an event that wakes the consumer."""
-
-    def __init__(self, processor: OutputProcessor) -> None:
-        self.processor = processor
-        self.failure: BaseException | None = None
-        self._event = anyio.Event()
-
-    def put(self, delta: RequestDelta) -> None:
-        self.processor.put(delta)
-        self._event.set()
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.processor.ends_pending:  # a request whose last delta is here lost nothing
-            self.failure = exc
-            self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        self._event = anyio.Event()
-        if self.failure is not None:
-            raise self.failure
 
 
 class Stream:
@@ -53,7 +22,7 @@ class Stream:
     """
 
     def __init__(
-        self, client: AsyncClient, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None = None
+        self, client: Connection, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None = None
     ) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")

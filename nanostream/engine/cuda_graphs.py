@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanostream.layers.attention import AttentionMetadata
+from nanostream.layers.attention_backend import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 from nanostream.config import EngineConfig
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import ModelLoadError
-from nanostream.layers.attention import KVCache
+from nanostream.layers.attention_backend import KVCache
 from nanostream.models import DecoderSpec
 from nanostream.sampling_params import SamplingParams
 

@@ -29,8 +29,9 @@ from nanostream.engine.sampler import SamplerOutput, sample
 from nanostream.engine.sampling_batch import SampledToken, make_sampling_batch, read_samples
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import Chunk, StepInputs, pack_step, to_device
-from nanostream.layers.attention import AttentionMetadata, ForwardContext, KVCache
-from nanostream.layers.attention_backend import get_backend
+from nanostream.layers.attention import ForwardContext
+from nanostream.layers.attention_backend import AttentionMetadata, KVCache
+from nanostream.layers.backends import get_backend
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import decoder_spec, load_model
 

@@ -13,7 +13,7 @@ import torch
 
 from nanostream.engine.sampler import SamplerOutput
 from nanostream.engine.sequence import PENDING, Sequence
-from nanostream.layers.attention import AttentionMetadata
+from nanostream.layers.attention_backend import AttentionMetadata
 
 
 class Chunk(Protocol):

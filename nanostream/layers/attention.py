@@ -15,84 +15,14 @@ backend stores. What changes per step (``AttentionMetadata``, the KV pool) comes
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
 from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
 from nanostream.layers.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from nanostream.layers.attention_backend import AttentionBackend
-
-
-@dataclass
-class AttentionMetadata:
-    """What the attention layers need to know about one step's packed batch."""
-
-    slot_mapping: torch.Tensor  # [T] int64: KV-pool slot of each new token
-    cu_seqlens_q: torch.Tensor  # [B+1] int32: query token offsets
-    seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    max_seqlen_q: int
-    max_seqlen_k: int
-    cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
-    seq_lens_host: list[int]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.max_seqlen_q == 1
-
-    @functools.cached_property
-    def num_decodes(self) -> int:
-        """How many leading sequences have one query token each (the scheduler puts decodes first). A mixed
-        step sends them through a decode kernel: a prefill kernel's query tiles would be mostly empty."""
-        cu = self.cu_seqlens_q_host
-        return next((i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] != 1), len(cu) - 1)
-
-    @functools.cached_property
-    def decode_split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
-        """A mixed step as (its ``num_decodes`` leading sequences, the rest), for two kernel calls; made
-        once per step, whichever layer asks first. The rest's tensors are copies, so each starts at an
-        allocation, as kernels that assume aligned pointers need."""
-        n = self.num_decodes
-        assert 0 < n < len(self.seq_lens_host), f"no split of {len(self.seq_lens_host)} sequences at {n}"
-        decode = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            cu_seqlens_q=self.cu_seqlens_q[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n],
-            max_seqlen_q=1,
-            max_seqlen_k=max(self.seq_lens_host[:n]),
-            cu_seqlens_q_host=self.cu_seqlens_q_host[: n + 1],
-            seq_lens_host=self.seq_lens_host[:n],
-        )
-        rest = AttentionMetadata(
-            slot_mapping=self.slot_mapping[n:],  # K/V are stored before the split: not read
-            cu_seqlens_q=self.cu_seqlens_q[n:] - n,  # row n starts at token n: one token per decode row
-            seq_lens=self.seq_lens[n:].clone(),
-            block_tables=self.block_tables[n:].clone(),
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=max(self.seq_lens_host[n:]),
-            cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
-            seq_lens_host=self.seq_lens_host[n:],
-        )
-        return decode, rest
-
-
-@dataclass
-class KVCache:
-    """One layer's slice of the KV pool: [num_blocks, block_size, num_kv_heads, head_dim] each."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[1]
 
 
 @dataclass

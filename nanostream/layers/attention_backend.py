@@ -1,4 +1,5 @@
-"""Attention backends: store a step's new K/V and attend over the paged pool; ``get_backend`` picks one.
+"""Attention backends: store a step's new K/V and attend over the paged pool, and the types they share
+(a step's ``AttentionMetadata``, a layer's ``KVCache``); layers/backends.py picks one (``get_backend``).
 
 Backends: ``torch`` (reference, any device, here), ``triton`` (nanostream's kernels,
 layers/triton_attention.py) and ``flash_attn`` (FlashAttention-4 or -2, layers/flash_attention.py).
@@ -7,16 +8,82 @@ The ``Attention`` layer (layers/attention.py) is built with one and calls it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention import AttentionMetadata, KVCache
-
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention layers need to know about one step's packed batch."""
+
+    slot_mapping: torch.Tensor  # [T] int64: KV-pool slot of each new token
+    cu_seqlens_q: torch.Tensor  # [B+1] int32: query token offsets
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
+    seq_lens_host: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_seqlen_q == 1
+
+    @functools.cached_property
+    def num_decodes(self) -> int:
+        """How many leading sequences have one query token each (the scheduler puts decodes first). A mixed
+        step sends them through a decode kernel: a prefill kernel's query tiles would be mostly empty."""
+        cu = self.cu_seqlens_q_host
+        return next((i for i in range(len(cu) - 1) if cu[i + 1] - cu[i] != 1), len(cu) - 1)
+
+    @functools.cached_property
+    def decode_split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step as (its ``num_decodes`` leading sequences, the rest), for two kernel calls; made
+        once per step, whichever layer asks first. The rest's tensors are copies, so each starts at an
+        allocation, as kernels that assume aligned pointers need."""
+        n = self.num_decodes
+        assert 0 < n < len(self.seq_lens_host), f"no split of {len(self.seq_lens_host)} sequences at {n}"
+        decode = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            cu_seqlens_q=self.cu_seqlens_q[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n],
+            max_seqlen_q=1,
+            max_seqlen_k=max(self.seq_lens_host[:n]),
+            cu_seqlens_q_host=self.cu_seqlens_q_host[: n + 1],
+            seq_lens_host=self.seq_lens_host[:n],
+        )
+        rest = AttentionMetadata(
+            slot_mapping=self.slot_mapping[n:],  # K/V are stored before the split: not read
+            cu_seqlens_q=self.cu_seqlens_q[n:] - n,  # row n starts at token n: one token per decode row
+            seq_lens=self.seq_lens[n:].clone(),
+            block_tables=self.block_tables[n:].clone(),
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=max(self.seq_lens_host[n:]),
+            cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
+            seq_lens_host=self.seq_lens_host[n:],
+        )
+        return decode, rest
+
+
+@dataclass
+class KVCache:
+    """One layer's slice of the KV pool: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
 
 
 class AttentionBackend(ABC):
@@ -86,35 +153,3 @@ class TorchAttention(AttentionBackend):
         mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
         out = self._sdpa(q[:, :, None, :], k, v, mask[:, None, None, :], scale)  # [B, Hq, 1, D]
         return out[:, :, 0, :]
-
-
-def get_backend(
-    name: str, device: torch.device, *, dtype: torch.dtype, block_size: int, head_dim: int
-) -> AttentionBackend:
-    """The backend called ``name``. ``auto``: on CUDA, FlashAttention when it is installed and supports
-    this GPU and layout, else the Triton kernels, else torch; elsewhere torch."""
-    from nanostream.layers.flash_attention import FlashAttention, flash_attn_unavailable_reason
-    from nanostream.layers.triton_attention import TritonAttention, triton_unavailable_reason
-
-    reasons = {
-        "torch": lambda: None,
-        "triton": lambda: triton_unavailable_reason(device),
-        "flash_attn": lambda: flash_attn_unavailable_reason(device, dtype, block_size, head_dim),
-    }
-    classes = {"torch": TorchAttention, "triton": TritonAttention, "flash_attn": FlashAttention}
-    if name == "auto":
-        skipped = []
-        for candidate in ("flash_attn", "triton") if device.type == "cuda" else ():
-            reason = reasons[candidate]()
-            if reason is None:
-                log.info("attention backend: %s (auto)%s", candidate, "".join(f"; {s}" for s in skipped))
-                return classes[candidate]()
-            skipped.append(f"not {candidate}: {reason}")
-        log.info("attention backend: torch (auto)%s", "".join(f"; {s}" for s in skipped))
-        return TorchAttention()
-    if name not in classes:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(classes)}")
-    reason = reasons[name]()
-    if reason is not None:
-        raise ValueError(f"attention_backend={name!r} cannot run here: {reason}; use attention_backend='auto'")
-    return classes[name]()

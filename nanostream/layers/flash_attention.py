@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention import AttentionMetadata, KVCache
-from nanostream.layers.attention_backend import AttentionBackend
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
 
 FA4_ARCHS = (9, 10, 11)  # compute-capability majors where FA4 reads paged KV: Hopper, Blackwell
 FA2_MIN_ARCH = 8

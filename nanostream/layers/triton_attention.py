@@ -6,8 +6,7 @@ import os
 
 import torch
 
-from nanostream.layers.attention import AttentionMetadata, KVCache
-from nanostream.layers.attention_backend import AttentionBackend
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
