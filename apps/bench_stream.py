@@ -87,7 +87,7 @@ from nanostream import AsyncClient, SamplingParams
 from nanostream.cli import add_engine_args
 from nanostream.client.launch import EngineProcess
 from nanostream.config import ServerConfig
-from nanostream.protocol import STEP_MS_BUCKETS, EngineStats
+from nanostream.protocol import EngineStats, step_ms_quantile
 
 WARMUP_REQUESTS = 16  # apps/bench.py's warm-up at its default --hf-batch-size
 STARTUP_TIMEOUT = 600.0  # s for the client processes to connect and warm up
@@ -148,16 +148,6 @@ def window(before: EngineStats, after: EngineStats) -> EngineStats:
     return EngineStats(**{f: diff(getattr(after, f), getattr(before, f)) for f in EngineStats.__struct_fields__})
 
 
-def bucket_quantiles(buckets: list[int], qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[float, ...]:
-    """Upper bounds (ms) of the ``STEP_MS_BUCKETS`` buckets that hold each quantile (inf: past the last
-    bound; nan: no steps)."""
-    cumulative = np.cumsum(buckets)
-    if not cumulative[-1]:
-        return tuple(float("nan") for _ in qs)
-    bounds = (*STEP_MS_BUCKETS, float("inf"))
-    return tuple(float(bounds[np.searchsorted(cumulative, q * cumulative[-1])]) for q in qs)
-
-
 @dataclass
 class Reading:
     """One moment of a run: the engine's counters, its process's CPU seconds, the machine's jiffies."""
@@ -200,7 +190,7 @@ class EngineRun:
         return self.stats.scheduled_requests / max(self.steps, 1)
 
     def quantiles(self) -> str:
-        return " / ".join(f"{v:g}" for v in bucket_quantiles(self.stats.step_ms_buckets))
+        return " / ".join(f"{step_ms_quantile(self.stats.step_ms_buckets, q):g}" for q in (0.5, 0.9, 0.99))
 
     def line(self, name: str, output_tokens: int) -> str:
         n = max(self.steps, 1)

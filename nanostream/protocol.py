@@ -140,6 +140,18 @@ STEP_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 """Upper bounds (ms) of ``EngineStats.step_ms_buckets``; a last bucket counts the steps above them all."""
 
 
+def step_ms_quantile(buckets: list[int], q: float) -> float:
+    """The upper bound (ms) of the ``STEP_MS_BUCKETS`` bucket that holds quantile ``q`` of ``buckets``
+    (``EngineStats.step_ms_buckets``, or the difference of two readings); inf past the last bound,
+    nan with no steps."""
+    total, seen = sum(buckets), 0
+    for bound, count in zip((*STEP_MS_BUCKETS, float("inf")), buckets):
+        seen += count
+        if total and seen >= q * total:
+            return float(bound)
+    return float("nan")
+
+
 class EngineStats(msgspec.Struct):
     """An engine's counters since it started: the figures of a window are the differences of two readings."""
 

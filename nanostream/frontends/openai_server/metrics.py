@@ -9,18 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nanostream.client.stream import Stream, StreamChunk
 from nanostream.errors import EngineDeadError
-from nanostream.protocol import STEP_MS_BUCKETS, Stats
-
-
-def step_quantile(buckets: list[int], q: float) -> float:
-    """The upper bound (ms) of the histogram bucket that holds quantile ``q`` (inf past the last bound)."""
-    total, seen = sum(buckets), 0
-    for bound, count in zip((*STEP_MS_BUCKETS, float("inf")), buckets):
-        seen += count
-        if total and seen >= q * total:
-            return bound
-    return 0.0
-
+from nanostream.protocol import Stats, step_ms_quantile
 
 # ---- metrics --------------------------------------------------------------------------------------
 
@@ -86,7 +75,7 @@ class Metrics:
             steps = sum(e.steps.values())
             self.step_seconds.set(e.step_seconds)
             for q in (0.5, 0.9, 0.99):
-                self.step_quantiles.labels(str(q)).set(step_quantile(e.step_ms_buckets, q) / 1e3)
+                self.step_quantiles.labels(str(q)).set(step_ms_quantile(e.step_ms_buckets, q) / 1e3)
             self.mean_batch.set(e.scheduled_requests / max(steps, 1))
             self.preemptions.set(e.preemptions)
             self.prefix_queries.set(e.prefix_cache_queries)
