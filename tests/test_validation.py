@@ -135,23 +135,25 @@ def test_config_is_frozen_and_resolved_as_a_copy():
         EngineConfig(model="m", device="cuda").resolve(max_position_embeddings=8, cuda_available=False)
 
 
-def test_unsupported_architecture_names_supported_ones(qwen3_dir, tmp_path):
-    model = tmp_path / "gpt2"
-    shutil.copytree(qwen3_dir, model)
+def relabelled(model_dir, tmp_path, architecture: str):
+    """A copy of ``model_dir`` whose config.json names another architecture."""
+    model = tmp_path / architecture
+    shutil.copytree(model_dir, model)
     cfg = json.loads((model / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = [architecture]
     (model / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def test_unsupported_architecture_names_supported_ones(qwen3_dir, tmp_path):
+    model = relabelled(qwen3_dir, tmp_path, "GPT2LMHeadModel")
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*Qwen3ForCausalLM.*LlamaForCausalLM.*MistralForCausalLM"):
         LLM(str(model), device="cpu")
 
 
 def test_qwen3_weights_labelled_llama_are_refused_not_silently_stripped(qwen3_dir, tmp_path):
     # Llama has no QK-norm: loading Qwen3's weights as Llama would drop them and run a different model.
-    model = tmp_path / "llama"
-    shutil.copytree(qwen3_dir, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    (model / "config.json").write_text(json.dumps(cfg))
+    model = relabelled(qwen3_dir, tmp_path, "LlamaForCausalLM")
     with pytest.raises(ModelLoadError, match="q_norm|k_norm"):
         LLM(str(model), device="cpu")
 
