@@ -246,13 +246,16 @@ class Connection:
                 log.warning("ignoring a message from the engine: %s", exc)
                 continue
             try:
-                await self._dispatch(message)
+                if isinstance(message, p.Welcome):  # rare: a new registration may bring a new tokenizer
+                    await self._welcomed_again(message)
+                else:
+                    self._dispatch(message)  # no await: the reader's per-step path stays a plain call
             except Exception as exc:  # a bug here must not take the caller's task group down
                 log.exception("handling a %s from the engine failed", type(message).__name__)
                 self._die(EngineDeadError(f"the client failed on a message from the engine: {exc!r}"))
                 return
 
-    async def _dispatch(self, message: p.EngineMessage) -> None:
+    def _dispatch(self, message: p.EngineMessage) -> None:
         if isinstance(message, p.Outputs):
             for out in message.outputs:
                 mailbox = self._mailboxes.get(out.request_id)
@@ -262,15 +265,6 @@ class Connection:
             event, slot = self._stats_waiters.pop(0)
             slot.append(message)
             event.set()
-        elif isinstance(message, p.Welcome) and not self._registered.is_set():
-            if message.tokenizer_digest != self._welcome.tokenizer_digest:  # the engine restarted on another model
-                self.tokenizer = await anyio.to_thread.run_sync(
-                    _load_tokenizer, message.tokenizer_digest, message.tokenizer_files
-                )
-                message.tokenizer_files = {}
-            log.info("registered with the engine at %s again", self.address)
-            self._welcome, self._lost = message, None
-            self._registered.set()
         elif isinstance(message, p.Shutdown):
             self._lose(EngineDeadError(f"the engine at {self.address} shut down: {message.reason}"))
         elif isinstance(message, p.Error):
@@ -280,6 +274,18 @@ class Connection:
                 self._lose(ConnectionLostError(f"{message.message}; this client registers again"))
             else:
                 log.warning("engine error: %s", message.message)
+
+    async def _welcomed_again(self, message: p.Welcome) -> None:
+        if self._registered.is_set():  # an answer to a hello said twice
+            return
+        if message.tokenizer_digest != self._welcome.tokenizer_digest:  # the engine restarted on another model
+            self.tokenizer = await anyio.to_thread.run_sync(
+                _load_tokenizer, message.tokenizer_digest, message.tokenizer_files
+            )
+            message.tokenizer_files = {}
+        log.info("registered with the engine at %s again", self.address)
+        self._welcome, self._lost = message, None
+        self._registered.set()
 
     async def _heartbeat_loop(self) -> None:
         interval = min(self._welcome.heartbeat_interval, self.timeout / 4)

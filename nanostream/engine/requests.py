@@ -126,11 +126,7 @@ class RequestBook:
 
     def close(self, engine_id: str, pend: _Pending, reason: str | None = None, **why: str | None) -> None:
         """Send a request's last delta (``reason`` and ``why``: it ends now, as the engine did not decide)."""
-        del self.pending[engine_id]
-        client = self.clients.get(pend.identity)
-        if client is not None:
-            client.requests.discard(pend.request_id)
-            client.prompt_tokens -= pend.num_prompt_tokens
+        self._release(engine_id, pend)
         last = pend.take()
         if reason is not None:
             last.finish_reason, last.error, last.code = reason, why.get("error"), why.get("code")
@@ -152,11 +148,15 @@ class RequestBook:
                 pend.buffer.usage = delta.usage
             self.close(engine_id, pend, reason, error=error, code=code)
         else:
-            del self.pending[engine_id]
-            client = self.clients.get(identity)
-            if client is not None:
-                client.requests.discard(rid)
-                client.prompt_tokens -= pend.num_prompt_tokens
+            self._release(engine_id, pend)
+
+    def _release(self, engine_id: str, pend: _Pending) -> None:
+        """The request is no longer open: off the book and off its client's share of the limits."""
+        del self.pending[engine_id]
+        client = self.clients.get(pend.identity)
+        if client is not None:
+            client.requests.discard(pend.request_id)
+            client.prompt_tokens -= pend.num_prompt_tokens
 
     def expire(self, now: float) -> None:
         """Abort the requests whose own timeout has passed."""
