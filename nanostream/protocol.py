@@ -134,6 +134,9 @@ class RequestDelta(msgspec.Struct, omit_defaults=True):
 
 class Outputs(_Message, tag="outputs"):
     outputs: list[RequestDelta]
+    # The engine's time.monotonic() when the step that produced these ended (None: no step, e.g. a
+    # refusal): on one host, a client's own clock minus this is the delivery latency.
+    produced: float | None = None
 
 
 STEP_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
@@ -165,6 +168,9 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int  # prompt tokens of the requests admitted so far
     prefix_cache_hits: int  # of them, found in the prefix cache
     finished: dict[str, int]  # requests by finish reason
+    # Of step_seconds, the host's wait for the device's results. Near 0: the host is the bottleneck
+    # (the device waits for it); the rest of a step is the host's own work (scheduling, launching).
+    device_wait_seconds: float = 0.0
 
 
 class Stats(_Message, tag="stats"):

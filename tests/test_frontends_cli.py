@@ -149,3 +149,52 @@ def test_demo_ctrl_c_stops_the_clients_and_the_engine(qwen3_dir):
         for _ in range(100):
             os.kill(engine_pid, 0)
             time.sleep(0.1)
+
+
+def test_openai_frontend_workers_share_one_port_and_stop_together(engine, llm):
+    """``--workers 3``: three server processes on one port, each its own engine client; the official
+    client's streams through them equal the offline output; SIGTERM stops every worker."""
+    import socket
+
+    import anyio
+    from openai import OpenAI
+
+    from nanostream import AsyncClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanostream", "frontend", "openai", "--engine", engine.address]
+    proc = subprocess.Popen([*cmd, "--port", str(port), "--workers", "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=30)
+
+        async def clients() -> int:
+            async with AsyncClient(engine.address) as client:
+                return (await client.stats()).clients - 1  # less this one
+
+        deadline = time.monotonic() + 120
+        while anyio.run(clients) < 3:  # every worker has said hello to the engine
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers did not all connect"
+            time.sleep(0.5)
+        ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        for _ in range(6):  # new connections: the kernel spreads them over the workers
+            with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as fresh:
+                events = fresh.completions.create(
+                    model=api.models.list().data[0].id,
+                    prompt=[5, 6, 7],
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                assert "".join(e.choices[0].text for e in events if e.choices) == ref[0].text
+        workers = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        assert len(workers) >= 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    deadline = time.monotonic() + 10  # (multiprocessing's resource tracker, a child too, leaves on its own)
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the frontend command"
+        time.sleep(0.1)

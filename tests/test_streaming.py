@@ -563,16 +563,17 @@ def test_event_loop(engine, llm, loop):
 
 
 def test_slow_consumer_does_not_hold_up_other_streams(engine, llm):
-    n = 64
+    n, n_slow = 64, 400  # the slow stream is long enough that its first chunk comes before its end
     prompts = [[50 + i, 51, 52, 53] for i in range(4)]  # prompts[0] is read slowly
-    refs = llm.generate(prompts, greedy(max_tokens=n, ignore_eos=True), use_tqdm=False)
+    lengths = [n_slow] + [n] * 3
+    refs = llm.generate(prompts, [greedy(max_tokens=k, ignore_eos=True) for k in lengths], use_tqdm=False)
 
     async def main():
         async with AsyncClient(engine.address) as client:
             fast_done, slow, fast = anyio.Event(), [], {}
 
             async def read_slowly():
-                async for chunk in client.stream(prompts[0], max_tokens=n, temperature=0, ignore_eos=True):
+                async for chunk in client.stream(prompts[0], max_tokens=n_slow, temperature=0, ignore_eos=True):
                     slow.append(chunk)
                     if len(slow) == 1:  # stop reading until every other stream has ended
                         await fast_done.wait()
@@ -597,7 +598,7 @@ def test_slow_consumer_does_not_hold_up_other_streams(engine, llm):
         assert_matches(fast[i], refs[i])
     assert_matches(slow, refs[0])  # every token, in order
     sizes = [len(c.token_ids) for c in slow]
-    assert sizes[1] > n // 2, f"the tokens that waited came merged into one chunk: {sizes}"
+    assert sizes[0] < n_slow and sizes[1] > n // 2, f"the tokens that waited came merged into one chunk: {sizes}"
 
 
 # ---- 9. stream_interval ----------------------------------------------------------------------------

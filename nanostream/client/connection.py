@@ -74,10 +74,12 @@ class _Mailbox:
     def __init__(self, processor: OutputProcessor) -> None:
         self.processor = processor
         self.failure: BaseException | None = None
+        self.produced: float | None = None  # the engine's clock when the newest delta's step ended
         self._event = anyio.Event()
 
-    def put(self, delta: p.RequestDelta) -> None:
+    def put(self, delta: p.RequestDelta, produced: float | None = None) -> None:
         self.processor.put(delta)
+        self.produced = produced if produced is not None else self.produced
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -260,7 +262,7 @@ class Connection:
             for out in message.outputs:
                 mailbox = self._mailboxes.get(out.request_id)
                 if mailbox is not None:
-                    mailbox.put(out)
+                    mailbox.put(out, message.produced)
         elif isinstance(message, p.Stats) and self._stats_waiters:
             event, slot = self._stats_waiters.pop(0)
             slot.append(message)

@@ -33,6 +33,9 @@ class Stream:
         self.timeout = timeout
         self._mailbox: _Mailbox | None = None
         self._done = False
+        # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
+        # engine's host is this process's too (time.monotonic() - stream.produced: the delivery latency).
+        self.produced: float | None = None
         self._processor = OutputProcessor(client.tokenizer, prompt_token_ids, params)
 
     async def __aenter__(self) -> Stream:
@@ -66,6 +69,7 @@ class Stream:
             while True:
                 await self._mailbox.wait()
                 chunk = self._processor.take()
+                self.produced = self._mailbox.produced
                 if self._processor.abort:  # a stop string: tell the engine to stop now
                     self._processor.abort = False
                     self.client._abort(self.request_id)

@@ -170,6 +170,7 @@ class LLMEngine:
             preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.num_prefix_queries,
             prefix_cache_hits=sched.num_prefix_hits,
+            device_wait_seconds=self.runner.device_wait_seconds,
         )
 
     def has_unfinished(self) -> bool:

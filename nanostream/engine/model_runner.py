@@ -10,6 +10,7 @@ cuda_graphs.py (decode replays).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
         self.vocab_size = self.spec.vocab_size
+        self.device_wait_seconds = 0.0  # the host waiting for the device in collect(), summed
         cuda = self.device.type == "cuda"
         self.backend = get_backend(
             config.attention_backend,
@@ -142,7 +144,9 @@ class ModelRunner:
         if step.host is None:
             return {}
         if step.copied is not None:
+            start = time.perf_counter()
             step.copied.synchronize()  # the step's one host synchronisation
+            self.device_wait_seconds += time.perf_counter() - start
         return read_samples(step.seqs, step.host)
 
     def execute(self, chunks: list[Chunk]) -> dict[str, SampledToken]:

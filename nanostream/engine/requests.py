@@ -61,6 +61,7 @@ class RequestBook:
         self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
         self._deadlines: list[tuple[float, str]] = []  # (monotonic deadline, engine request id), a heap
         self._batch: dict[bytes, list[p.RequestDelta]] = {}  # this iteration's outputs, per client
+        self._produced: float | None = None  # when the step that produced them ended
 
     def add(self, client: Client, add: p.Add) -> None:
         rid, n = add.request_id, len(add.prompt_token_ids)
@@ -109,7 +110,10 @@ class RequestBook:
             )
         return None
 
-    def route(self, deltas: list[p.RequestDelta]) -> None:
+    def route(self, deltas: list[p.RequestDelta], produced: float | None = None) -> None:
+        """Take a step's deltas; ``produced`` (time.monotonic()) stamps this iteration's Outputs."""
+        if produced is not None:
+            self._produced = produced
         interval = self.config.stream_interval
         for delta in deltas:
             pend = self.pending.get(delta.request_id)
@@ -173,8 +177,9 @@ class RequestBook:
     def flush(self, send) -> None:
         """One Outputs message per client for everything emitted since the last flush."""
         for identity, outputs in self._batch.items():
-            send(identity, p.Outputs(outputs))
+            send(identity, p.Outputs(outputs, self._produced))
         self._batch.clear()
+        self._produced = None
 
     def forget_client(self, client: Client) -> None:
         """Abort a dropped client's requests; nothing more is sent to it."""

@@ -3,10 +3,11 @@
 transport.inputs ──▶ busy loop (this thread):
                        1. handle messages (hello, stats, disconnections; add and abort go to the
                           RequestBook of engine/requests.py: limits, routing, deadlines)
-                       2. engine.step()
+                       2. engine.step(): launch a step, read back the previous one's tokens
                        3. heartbeats, silent clients dropped, requests past their timeout aborted
-                       4. one Outputs per client for everything this iteration produced
-                     ──▶ transport.send() ──▶ encoder and io threads ──▶ clients
+                       4. one Outputs per client for everything this iteration produced, encoded
+                          here while the launched step runs on the device
+                     ──▶ transport.flush() ──▶ io thread ──▶ clients
 
 What one client can make the engine hold is bounded: frames by size (transport), requests and
 prompt tokens by ``ServerConfig``'s queue limits (a request past them is refused as "busy"), and a
@@ -118,9 +119,10 @@ class EngineServer:
                 if self.transport.failure is not None:
                     reason = f"the engine failed: its socket thread died ({self.transport.failure!r})"
                     raise EngineFailure(reason) from self.transport.failure
-                # 2. one engine step
+                # 2. one engine step: the next is launched before this one's outputs are routed
                 if self.engine.has_unfinished():
-                    self.requests.route(self.engine.step().deltas)
+                    deltas = self.engine.step().deltas
+                    self.requests.route(deltas, time.monotonic())
                 # 3. heartbeats out, silent clients dropped, requests past their timeout aborted
                 now = time.monotonic()
                 if now >= next_beat:
@@ -129,6 +131,7 @@ class EngineServer:
                 self.requests.expire(now)
                 # 4. one Outputs message per client for everything this iteration produced
                 self.requests.flush(self._send)
+                self.transport.flush()
         except Exception as exc:
             if not isinstance(exc, EngineFailure):
                 log.exception("the engine loop failed")

@@ -31,7 +31,9 @@ class StepCounters:
         self.scheduled_requests += num_requests
         self.prompt_tokens += num_prefill_tokens
 
-    def snapshot(self, *, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int) -> EngineStats:
+    def snapshot(
+        self, *, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int, device_wait_seconds: float
+    ) -> EngineStats:
         return EngineStats(
             steps=dict(self.steps),
             step_seconds=self.step_seconds,
@@ -43,4 +45,5 @@ class StepCounters:
             prefix_cache_queries=prefix_cache_queries,
             prefix_cache_hits=prefix_cache_hits,
             finished=dict(self.finished),
+            device_wait_seconds=device_wait_seconds,
         )

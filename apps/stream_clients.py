@@ -1,0 +1,150 @@
+"""The client side of apps/bench_stream.py and apps/bench_serve.py: streams that record when each
+chunk arrived, through ``AsyncClient`` or through the OpenAI frontend's server-sent events.
+
+A client process runs rounds: before each it waits at a barrier twice (all processes idle, so the
+parent can read the engine's counters; then the start), runs its streams, and reports that round's
+traces and its own CPU seconds on a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import TEMPERATURE, Request
+
+from nanostream import AsyncClient, SamplingParams
+
+STARTUP_TIMEOUT = 600.0  # s for the client processes to connect and warm up
+
+
+def params_of(r: Request) -> SamplingParams:
+    return SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens)
+
+
+@dataclass
+class Trace:
+    """One streamed request as its client saw it (times: ``time.perf_counter()``, which is
+    CLOCK_MONOTONIC, as is the engine's ``time.monotonic()``: one clock for every process on Linux)."""
+
+    max_tokens: int
+    prompt_tokens: int
+    sent: float  # just before the request was made
+    arrivals: list[float] = field(default_factory=list)  # one per chunk (SSE event) that carried tokens
+    counts: list[int] = field(default_factory=list)  # tokens in each; HTTP: all on the last (from usage)
+    delivery: list[float] = field(default_factory=list)  # s, arrival − the end of the engine step (client only)
+    events: int = 0  # SSE events with a choice (HTTP only)
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the streams go: an engine (``address``) or an OpenAI frontend (``base_url``)."""
+
+    address: str | None = None
+    base_url: str | None = None
+    model: str | None = None
+
+
+async def stream_client(client: AsyncClient, r: Request) -> Trace:
+    trace = Trace(r.max_tokens, len(r.prompt_token_ids), time.perf_counter())
+    async with client.stream(r.prompt_token_ids, params_of(r)) as stream:
+        async for chunk in stream:
+            if chunk.token_ids:
+                now = time.perf_counter()
+                trace.arrivals.append(now)
+                trace.counts.append(len(chunk.token_ids))
+                if stream.produced is not None:
+                    trace.delivery.append(now - stream.produced)
+    return trace
+
+
+async def stream_http(http, target: Target, r: Request) -> Trace:
+    """One ``/v1/completions`` request as server-sent events, as ``vllm bench serve`` reads them."""
+    body = {
+        "model": target.model,
+        "prompt": r.prompt_token_ids,
+        "max_tokens": r.max_tokens,
+        "temperature": TEMPERATURE,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    trace = Trace(r.max_tokens, len(r.prompt_token_ids), time.perf_counter())
+    completion_tokens = 0
+    async with http.stream("POST", f"{target.base_url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            return trace
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                trace.error = str(event["error"])
+            elif event.get("choices"):
+                trace.events += 1
+                trace.arrivals.append(time.perf_counter())
+                trace.counts.append(0)
+            elif event.get("usage"):
+                completion_tokens = event["usage"]["completion_tokens"]
+    if trace.counts:
+        trace.counts[-1] = completion_tokens  # per-event counts are unknown; the total is exact
+    return trace
+
+
+async def run_streams(target: Target, streams: list[list[Request]], warmup: list[Request], rounds: int, sync) -> None:
+    """Warm up, then ``rounds`` rounds of ``streams`` (each stream's requests one after another)."""
+    barrier, results, index, profile = sync
+    if target.base_url is not None:
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+            one = lambda r: stream_http(http, target, r)
+            await asyncio.gather(*(one(r) for r in warmup))
+            await _rounds(one, streams, rounds, barrier, results, index, profile)
+    else:
+        async with AsyncClient(target.address, timeout=60.0) as client:
+            one = lambda r: stream_client(client, r)
+            await asyncio.gather(*(one(r) for r in warmup))
+            await _rounds(one, streams, rounds, barrier, results, index, profile)
+
+
+async def _rounds(one, streams, rounds, barrier, results, index, profile: Path | None) -> None:
+    for round_ in range(rounds):
+        await asyncio.to_thread(barrier.wait, STARTUP_TIMEOUT)  # idle: the parent reads the counters
+        await asyncio.to_thread(barrier.wait, STARTUP_TIMEOUT)  # go
+        traces: list[Trace] = []
+
+        async def stream(requests: list[Request], traces: list[Trace] = traces) -> None:
+            for r in requests:
+                traces.append(await one(r))
+
+        profiler = cProfile.Profile() if profile is not None and round_ == rounds - 1 else None
+        cpu = time.process_time()
+        if profiler is not None:
+            profiler.enable()
+        await asyncio.gather(*(stream(s[round_]) for s in streams))
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
+        results.put((index, round_, traces, time.process_time() - cpu))
+
+
+def client_process(index: int, target: Target, streams, warmup, rounds: int, barrier, results, profile) -> None:
+    """``streams[s][round]``: the requests stream s runs in that round."""
+    try:
+        asyncio.run(run_streams(target, streams, warmup, rounds, (barrier, results, index, profile)))
+    except BaseException:
+        barrier.abort()  # nobody waits forever for a process that is gone
+        results.put((index, -1, traceback.format_exc(), 0.0))

@@ -1,0 +1,78 @@
+"""``nanostream frontend openai --workers N``: N server processes accept on one listening socket.
+
+One process streams about 5,000 server-sent events a second (a core's worth of Python per event:
+the HTTP framing, the JSON, the stream's detokenizer); hundreds of concurrent streams at the
+engine's pace need more. Each worker is a whole server with its own ``AsyncClient``, so the engine
+sees N clients; the kernel spreads new connections over the workers. One Ctrl-C or SIGTERM stops
+them all; a worker that dies stops the others, and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import signal
+import socket
+import sys
+import time
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _worker(sock: socket.socket, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from nanostream.frontends.openai_server.app import create_app
+
+    app = create_app(args.engine, api_key=args.api_key, served_model_name=args.served_model_name)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
+    server.run(sockets=[sock])
+    sys.exit(0 if server.started else 3)  # 3: it never served (no engine answered), as uvicorn.run exits
+
+
+def serve_workers(args: argparse.Namespace) -> int:
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"nanostream frontend openai: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_worker, args=(sock, args), name=f"openai-worker-{i}") for i in range(args.workers)]
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for w in workers:
+        w.start()
+    print(f"nanostream frontend openai: {args.workers} workers on http://{args.host}:{args.port}", flush=True)
+    try:
+        while not stopping and all(w.is_alive() for w in workers):
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        dead = [w for w in workers if not w.is_alive()]
+        for w in workers:
+            if w.is_alive():
+                w.terminate()  # SIGTERM: uvicorn finishes its open responses and closes its client
+        for w in workers:
+            w.join(30)
+            if w.is_alive():
+                w.kill()
+        sock.close()
+    if dead and not stopping:
+        codes = ", ".join(f"{w.name} exited with code {w.exitcode}" for w in dead)
+        print(f"nanostream frontend openai: {codes}; stopped the other workers", file=sys.stderr)
+        return 1
+    return 0
