@@ -16,13 +16,14 @@ What runs, in this order (the two never share the machine):
 2. streamed: ``EngineProcess`` starts ``nanostream serve`` with the same engine options. For each
    shape P×S, P client processes each run S concurrent streams (request i goes to stream i mod P×S;
    a stream runs its requests one after another), ``--runs`` rounds, the engine's counters read
-   around each. With ``--http-workers W`` the streams go through ``nanostream frontend openai
-   --workers W`` on the same engine as server-sent events (httpx, as ``vllm bench serve`` reads them).
+   around each. Then, with ``--http-workers W``, ``--runs`` rounds of the first shape through
+   ``nanostream frontend openai --workers W`` on the same engine, as server-sent events (httpx, as
+   ``vllm bench serve`` reads them).
 
-Round r of every run uses the workload with fresh prompt ids of the same lengths (round 0: exactly
-apps/bench.py's), so the prefix cache helps no round, offline or streamed, more than another.
+Every run and round has a workload of its own: apps/bench.py's lengths with fresh prompt ids (the
+first offline run: exactly apps/bench.py's), so that the prefix cache helps none of them.
 
-Per round: output tok/s and streamed ÷ offline (the offline run of the same round), TTFT p50 (request
+Per round: output tok/s and streamed ÷ offline (the median of the offline runs), TTFT p50 (request
 sent → first chunk), delivery p50 (a chunk's arrival − the end of the engine step that produced its
 newest token; client mode), tokens per chunk or SSE event, elapsed / engine steps (the loop's period),
 the engine's host time and device wait per step (``EngineStats.device_wait_seconds``: near 0 means
@@ -263,35 +264,36 @@ def openai_frontend(address: str, workers: int):
         proc.wait(30)
 
 
-def run_streamed(args, model: Path, rounds, warmup, engine_kwargs) -> list[Round]:
+def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[Round]]:
+    """The AsyncClient rounds of every shape, then the HTTP rounds; ``fresh(i)``: workload number i."""
     engine = EngineProcess(str(model), seed=args.seed, stream_interval=args.stream_interval, **engine_kwargs)
     if args.profile:  # the same `serve`, under cProfile: its main thread (the busy loop), its whole life
         engine.cmd[1:2] = ["-m", "cProfile", "-o", str(args.profile / "engine.prof"), "-m"]
-    out = []
+    direct, http = [], []
     with engine:
         print(f"streamed: engine pid {engine.pid} at {engine.address}, stream_interval {args.stream_interval}")
-        with contextlib.ExitStack() as stack:
-            target, fpids = Target(address=engine.address), list
-            if args.http_workers:
-                base, fpids = stack.enter_context(openai_frontend(engine.address, args.http_workers))
+        for k, shape in enumerate(args.shapes):
+            rounds = [fresh(100 * (k + 1) + r) for r in range(args.runs)]
+            direct += run_shape(args, shape, rounds, warmup, engine, Target(address=engine.address), list)
+        if args.http_workers:
+            with openai_frontend(engine.address, args.http_workers) as (base, fpids):
+                rounds = [fresh(10_000 + r) for r in range(args.runs)]
                 target = Target(base_url=base, model=model.name)
-            for shape in args.shapes:
-                out += run_shape(args, shape, rounds, warmup, engine, target, fpids)
-    return out
+                http += run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids)
+    return direct, http
 
 
 # ---- report --------------------------------------------------------------------------------------
 
 
-def report(args, offline: Offline, rounds: list[Round]) -> str:
-    http = bool(args.http_workers)
+def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
     target = HTTP_TARGET if http else THROUGHPUT_TARGET
     off_ttft = percentiles(offline.ttft)
     rows = [
         (
             "shape",
             "round",
-            "offline tok/s",
+            "offline tok/s (this run)",
             "streamed tok/s",
             "ratio",
             "TTFT p50 ms",
@@ -305,9 +307,11 @@ def report(args, offline: Offline, rounds: list[Round]) -> str:
         )
     ]
     worst = float("inf")
+    tps = sorted(tokens / elapsed for elapsed, tokens, _ in offline.runs)
+    median = tps[len(tps) // 2] if len(tps) % 2 else (tps[len(tps) // 2 - 1] + tps[len(tps) // 2]) / 2
     for r in rounds:
-        elapsed, tokens, off = offline.runs[r.index]
-        ratio = (r.output_tokens() / r.elapsed) / (tokens / elapsed)
+        elapsed, tokens, off = offline.runs[min(r.index, len(offline.runs) - 1)]
+        ratio = (r.output_tokens() / r.elapsed) / median
         worst = min(worst, ratio)
         eng = r.engine
         if http:
@@ -336,8 +340,9 @@ def report(args, offline: Offline, rounds: list[Round]) -> str:
     gaps = [b - a for r in rounds for t in r.traces for a, b in pairwise(t.arrivals)]
     via = f"HTTP ({args.http_workers} frontend worker(s))" if http else "AsyncClient"
     lines = [
-        f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; offline TTFT p50/p90 (all "
-        f"{len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.0f} / {1e3 * off_ttft[1]:.0f} ms ==",
+        f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
+        f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
+        f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.0f} / {1e3 * off_ttft[1]:.0f} ms ==",
         *format_table(rows),
         f"chunk gap p50/p90/p99 ms: {' / '.join(f'{1e3 * g:.2f}' for g in percentiles(gaps))}",
         f"worst streamed ÷ offline: {worst:.3f} (target ≥ {target}): {'met' if worst >= target else 'MISSED'}",
@@ -365,7 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--shapes", type=parse_shapes, default="4x64", help="client processes x streams in each, comma-separated"
     )
     clients.add_argument("--runs", type=int, default=1, help="rounds per shape (and offline runs)")
-    clients.add_argument("--http-workers", type=int, default=0, help="through the OpenAI frontend with W workers")
+    clients.add_argument(
+        "--http-workers", type=int, default=0, help="then the first shape through the OpenAI frontend with W workers"
+    )
     clients.add_argument(
         "--stream-interval",
         type=int,
@@ -398,11 +405,16 @@ def main(argv: list[str] | None = None) -> None:
     with model_dir(args) as model:
         hf_config, _, workload = load_workload(args, model, engine_kwargs)
         warmup = make_warmup(args.seed, hf_config.vocab_size, WARMUP_REQUESTS)
-        # One workload per round, and one more for the offline TTFT.
-        rounds = [round_workload(workload, args.seed, i, hf_config.vocab_size) for i in range(args.runs + 1)]
-        offline = run_offline(args, model, rounds, warmup, engine_kwargs)
-        streamed = run_streamed(args, model, rounds[:-1], warmup, engine_kwargs)
-    print(report(args, offline, streamed))
+
+        def fresh(i: int) -> list[Request]:
+            return round_workload(workload, args.seed, i, hf_config.vocab_size)
+
+        # One workload per offline run, and one more for the offline TTFT.
+        offline = run_offline(args, model, [fresh(i) for i in range(args.runs + 1)], warmup, engine_kwargs)
+        direct, http = run_streamed(args, model, fresh, warmup, engine_kwargs)
+    print(report(args, offline, direct, http=False))
+    if http:
+        print(report(args, offline, http, http=True))
 
 
 if __name__ == "__main__":
