@@ -117,6 +117,12 @@ def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwar
         after = Reading(llm.engine.stats(), time.process_time(), machine_jiffies())
         tokens = sum(min(len(o.token_ids), r.max_tokens) for o, r in zip(outputs, workload))
         runs.append((elapsed, tokens, EngineRun.between(before, after, elapsed)))
+        run = runs[-1][2]
+        print(
+            f"offline run {len(runs) - 1}: {tokens / elapsed:,.0f} out tok/s, {run.steps} steps, period "
+            f"{1e3 * run.period():.2f} ms, host {run.host_ms():.2f} + device wait {run.wait_ms():.2f} ms/step",
+            flush=True,
+        )
     # The offline TTFT: every request queued at once, the engine stepped until each has a token.
     engine, first = llm.engine, {}
     for i, r in enumerate(rounds[-1]):
@@ -227,6 +233,7 @@ def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProces
             if errors:
                 print(f"warning: {len(errors)} request(s) failed, e.g. {errors[0]}")
             out.append(run)
+            print(progress(run, target.base_url is not None), flush=True)  # a run cut short still says this much
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -284,6 +291,17 @@ def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[
 
 
 # ---- report --------------------------------------------------------------------------------------
+
+
+def progress(r: Round, http: bool) -> str:
+    eng = r.engine
+    delivery = percentiles([d for t in r.traces for d in t.delivery])[0]
+    return (
+        f"{'http' if http else 'client'} {r.shape} round {r.index}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
+        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {1e3 * delivery:.2f} ms, "
+        f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
+        f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
+    )
 
 
 def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:

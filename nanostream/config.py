@@ -137,6 +137,9 @@ class ServerConfig:
     """Open requests (running or waiting) of one client; more are refused with EngineBusyError."""
     max_client_tokens: int = 8_388_608
     """Prompt tokens of one client's open requests; a request past this is refused with EngineBusyError."""
+    exit_with_parent: bool = False
+    """Stop when the process that started this one exits (``EngineProcess`` sets it: an engine that a
+    program starts for itself does not outlive the program, however it ends)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < float("inf"):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -189,7 +190,7 @@ def test_openai_frontend_workers_share_one_port_and_stop_together(engine, llm):
                     extra_body={"ignore_eos": True},
                 )
                 assert "".join(e.choices[0].text for e in events if e.choices) == ref[0].text
-        workers = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         assert len(workers) >= 3
     finally:
         proc.send_signal(signal.SIGTERM)

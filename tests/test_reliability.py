@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -476,3 +477,33 @@ def test_offline_generate_raises_when_a_step_fails_and_leaves_nothing_running(ll
     assert not llm.engine.has_unfinished()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert llm.generate([1, 2, 3], SamplingParams(**GREEDY), use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_an_engine_started_by_a_program_stops_when_the_program_is_killed(qwen3_dir):
+    """EngineProcess's engine does not outlive its owner, even one that dies by SIGKILL (no cleanup ran)."""
+    owner = textwrap.dedent(
+        f"""
+        import time
+        from nanostream.client.launch import EngineProcess
+        engine = EngineProcess({str(qwen3_dir)!r}, device="cpu", max_model_len=256, heartbeat_interval=0.2,
+                               client_timeout=1.0).start()
+        print(engine.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
+    engine_pid = int(proc.stdout.readline())
+    os.kill(engine_pid, 0)  # it runs
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{engine_pid}") and "zombie" not in _state(engine_pid):
+        assert time.monotonic() < deadline, "the engine outlived the program that started it"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

@@ -22,10 +22,12 @@ class EngineProcess:
         with EngineProcess("/models/Qwen3-0.6B", max_num_seqs=64) as engine:
             async with AsyncClient(engine.address) as client: ...
 
-    Options are ``nanostream serve`` options (EngineConfig and ServerConfig fields) as keywords.
+    Options are ``nanostream serve`` options (EngineConfig and ServerConfig fields) as keywords. The
+    engine stops when this process exits, even by SIGKILL (``exit_with_parent``; pass False to keep it).
     """
 
     def __init__(self, model: str | None = None, *, startup_timeout: float = 300.0, **options: Any) -> None:
+        options.setdefault("exit_with_parent", True)
         self.cmd = [sys.executable, "-m", "nanostream", "serve"] + ([str(model)] if model else [])
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import queue
 import secrets
 import signal
@@ -89,6 +90,7 @@ class EngineServer:
         self._welcome = p.encode(welcome)
         welcome.tokenizer_files = {}
         self._welcome_back = p.encode(welcome)  # for a client that has the files already
+        self._parent = os.getppid() if server_config.exit_with_parent else None
         self.clients: dict[bytes, Client] = {}
         self.dropped_clients = 0
         self.requests = RequestBook(self.engine, server_config, self.clients)
@@ -225,6 +227,9 @@ class EngineServer:
         )
 
     def _liveness(self, now: float) -> None:
+        if self._parent is not None and os.getppid() != self._parent:  # orphaned: re-parented
+            log.warning("the process that started this engine (pid %d) has exited: stopping", self._parent)
+            self._stop.set()
         for client in list(self.clients.values()):
             silent = now - client.last_seen
             if silent > self.config.client_timeout:
