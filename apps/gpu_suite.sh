@@ -10,8 +10,9 @@
 #                                  #   then a torch.profiler table of a dozen full-batch steps
 #   bash apps/gpu_suite.sh kernels # apps/bench_kernels.py: ceilings, kernels vs FA4, decode steps, prefill
 #   bash apps/gpu_suite.sh train   # apps/train_demo_model.py on .gpu/corpus/corpus.txt (issue 6), ~3 min
-#   bash apps/gpu_suite.sh stream  # apps/bench_stream.py (AsyncClient and HTTP) with a py-spy profile of
-#                                  #   the engine, then apps/bench_serve.py's sweeps and plots, ~7 min
+#   bash apps/gpu_suite.sh stream  # apps/bench_stream.py through AsyncClient, 5 rounds of 4x64 and 8x32,
+#                                  #   with a py-spy profile of the engine, ~4 min
+#   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP, then apps/bench_serve.py, ~6 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
 # ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py), .gpu/corpus (train).
 # Logs and results go to $OUT (or ./gpu-out); each stage prints a short summary last.
@@ -73,34 +74,42 @@ train)
         --time-limit 420 "$@" 2>&1 | tee "$out/train.log" | tail -n 60
     # What comes back is at most 8 files of 16 MiB: the ~24 MB checkpoint travels as a split tar.
     tar -C /tmp -cf - demo-model | split -b 15m - "$out/demo-model.tar.part." && ls -la "$out" ;;
-stream)
-    # Issue 15: bench_stream (5 rounds of 4x64 and 8x32 through AsyncClient, 5 through HTTP with 4
-    # frontend workers; py-spy on the engine during the first shape), then bench_serve's sweeps.
+stream|http)
+    # Issue 15, two calls: `stream`: bench_stream, 5 rounds of 4x64 and 8x32 through AsyncClient, with
+    # py-spy on the engine from the second round of the first shape (~4 min); `http`: 5 rounds of 4x64
+    # through the OpenAI frontend (4 workers), then bench_serve's sweeps and plots (~6 min).
     python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
         || tail -n 5 "$out/install.log"  # the frontends register through entry points: a real install
+    pkill -9 -f '[n]anostream serve'  # an engine a killed run left behind would hold the GPU
     common=(--preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random --attention-backend triton)
-    timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64,8x32 --runs 5 \
-        --http-workers 4 "$@" >"$out/stream.log" 2>&1 &
-    bs=$!
-    pid=
-    for _ in $(seq 1 200); do
-        pid=$(grep -o -m1 'engine pid [0-9]*' "$out/stream.log" | awk '{print $3}'); [ -n "$pid" ] && break; sleep 1
-    done
-    if [ -n "$pid" ] && [ -x "$site/bin/py-spy" ]; then
-        sleep "${SPY_AFTER_S:-25}"
-        timeout 40 "$site/bin/py-spy" record --pid "$pid" --duration 12 --rate 250 --threads --idle --nonblocking \
-            --format raw --output "$out/engine.pyspy" >"$out/pyspy.log" 2>&1 || tail -n 3 "$out/pyspy.log"
-    fi
-    wait $bs
-    grep -v -E "INFO|Loading weights" "$out/stream.log" | tail -n 30
-    python3 apps/pyspy_summary.py "$out/engine.pyspy" 2>&1 | head -n 40
-    timeout "${SERVE_S:-110}" python3 apps/bench_serve.py "${common[@]}" --concurrency 1,16,64,256 --rates 16,64 \
-        --max-concurrency 256 --input-len 512 --output-len 128 --out "$out/serving" >"$out/serve.log" 2>&1
-    grep -E "concurrency|rate|wrote" "$out/serve.log" | tail -n 8
-    timeout "${HTTP_S:-90}" python3 apps/bench_serve.py "${common[@]}" --concurrency 16,64,256 --http-workers 4 \
-        --input-len 512 --output-len 128 --out "$out/serving-http" >"$out/serve-http.log" 2>&1
-    grep -E "concurrency|rate|wrote" "$out/serve-http.log" | tail -n 5
-    tar -C "$out" -cf "$out/serving.tar" serving serving-http 2>/dev/null && rm -rf "$out/serving" "$out/serving-http" ;;
+    if [ "$stage" = stream ]; then
+        timeout "${STREAM_S:-400}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64,8x32 --runs 5 "$@" \
+            >"$out/stream.log" 2>&1 &
+        bs=$!
+        for _ in $(seq 1 300); do grep -q "^client 4x64 round 0" "$out/stream.log" && break; sleep 1; done
+        pid=$(grep -o -m1 'engine pid [0-9]*' "$out/stream.log" | awk '{print $3}')
+        if [ -n "$pid" ] && [ -x "$site/bin/py-spy" ]; then
+            timeout 40 "$site/bin/py-spy" record --pid "$pid" --duration 10 --rate 250 --threads --idle --nonblocking \
+                --format raw --output "$out/engine.pyspy" >"$out/pyspy.log" 2>&1 || tail -n 3 "$out/pyspy.log"
+        fi
+        wait $bs
+        grep -v -E "INFO|Loading weights" "$out/stream.log" | tail -n 40
+        [ -f "$out/engine.pyspy" ] && python3 apps/pyspy_summary.py "$out/engine.pyspy" --top 15 2>&1 | head -n 70
+    else
+        timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64 --runs 5 \
+            --http-workers "${WORKERS:-4}" "$@" >"$out/stream-http.log" 2>&1
+        grep -v -E "INFO|Loading weights" "$out/stream-http.log" | tail -n 20
+        pkill -9 -f '[n]anostream serve'
+        timeout "${SERVE_S:-120}" python3 apps/bench_serve.py "${common[@]}" --concurrency 1,16,64,256 \
+            --rates 16,64 --max-concurrency 256 --input-len 512 --output-len 128 --out "$out/serving" >"$out/serve.log" 2>&1
+        grep -E "concurrency|rate|wrote" "$out/serve.log" | tail -n 8
+        pkill -9 -f '[n]anostream serve'
+        timeout "${HTTP_S:-100}" python3 apps/bench_serve.py "${common[@]}" --concurrency 16,64,256 \
+            --http-workers "${WORKERS:-4}" --input-len 512 --output-len 128 --out "$out/serving-http" \
+            >"$out/serve-http.log" 2>&1
+        grep -E "concurrency|rate|wrote" "$out/serve-http.log" | tail -n 5
+        tar -C "$out" -cf "$out/serving.tar" serving serving-http 2>/dev/null && rm -rf "$out/serving" "$out/serving-http"
+    fi ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac
