@@ -1,0 +1,86 @@
+"""How the shared decoder splits over tensor-parallel ranks (Megatron's layout), and the error when it cannot.
+
+Rank ``r`` of ``n`` holds whole attention heads: query heads ``[r * Hq/n, (r+1) * Hq/n)`` and the KV heads
+they read. With fewer KV heads than ranks each KV head is replicated on ``n / Hkv`` neighbouring ranks
+(rank ``r`` holds KV head ``r * Hkv // n``, the one its query heads share). The MLP's intermediate size
+and the vocabulary split into ``n`` equal ranges. Norms, rotary tables and biases of row-parallel
+projections are whole on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the decoder imports this module
+    from nanostream.models.decoder import DecoderSpec
+
+
+@dataclass(frozen=True)
+class DecoderShard:
+    """The rows (heads, features, token ids) of each split dimension that one rank holds."""
+
+    rank: int
+    size: int
+    heads: range  # query heads
+    kv_heads: range  # KV heads (one, shared with neighbouring ranks, when Hkv < size)
+    intermediate: range  # rows of gate and up, columns of down
+    vocab: range  # rows of the embedding and the LM head
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+
+def _split(total: int, rank: int, size: int) -> range:
+    part = total // size
+    return range(rank * part, (rank + 1) * part)
+
+
+def split_problems(spec: DecoderSpec, size: int) -> list[str]:
+    """Why ``size`` ranks cannot split ``spec`` (empty: they can)."""
+    problems = []
+    if spec.num_heads % size:
+        problems.append(f"num_attention_heads ({spec.num_heads}) is not divisible by it")
+    hkv = spec.num_kv_heads
+    if hkv >= size and hkv % size:
+        problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
+    if hkv < size and size % hkv:
+        problems.append(f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated")
+    if spec.intermediate_size % size:
+        problems.append(f"intermediate_size ({spec.intermediate_size}) is not divisible by it")
+    if spec.vocab_size % size:
+        problems.append(f"vocab_size ({spec.vocab_size}) is not divisible by it")
+    return problems
+
+
+def check_split(spec: DecoderSpec, size: int) -> None:
+    """Raise ``ValueError`` naming the numbers (and the sizes that work) if ``size`` ranks cannot split ``spec``."""
+    problems = split_problems(spec, size)
+    if problems:
+        works = [n for n in range(1, spec.num_heads + 1) if not split_problems(spec, n)]
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split {spec.architecture}: {'; '.join(problems)}. "
+            f"Use a tensor_parallel_size that divides the model: {', '.join(map(str, works))}"
+        )
+
+
+def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
+    """Rank ``rank``'s part of ``spec`` (``check_split`` first: this assumes the split is exact)."""
+    if spec.num_kv_heads >= size:
+        kv_heads = _split(spec.num_kv_heads, rank, size)
+    else:
+        head = rank * spec.num_kv_heads // size
+        kv_heads = range(head, head + 1)
+    return DecoderShard(
+        rank=rank,
+        size=size,
+        heads=_split(spec.num_heads, rank, size),
+        kv_heads=kv_heads,
+        intermediate=_split(spec.intermediate_size, rank, size),
+        vocab=_split(spec.vocab_size, rank, size),
+    )
