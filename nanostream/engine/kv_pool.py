@@ -3,7 +3,8 @@
 The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D]; each layer's ``KVCache`` is a
 view of it. Its size is, in order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on
 CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured by running it); on CPU, at
-most 1 GiB and never more than the engine can ever fill.
+most 1 GiB and never more than the engine can ever fill. With tensor parallelism each rank sizes the pool
+of its own KV heads on its own device, and the ranks then take the smallest block count (``ModelRunner``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,22 @@ from nanostream.sampling_params import SamplingParams
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one block; ``num_kv_heads``: this rank's KV heads (default: all of the model's)."""
+    hkv = num_kv_heads or spec.num_kv_heads
+    return 2 * spec.num_layers * block_size * hkv * spec.head_dim * dtype.itemsize
 
 
 def allocate_kv_pool(
-    spec: DecoderSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    spec: DecoderSpec,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> list[KVCache]:
-    """One zeroed pool; a ``KVCache`` of views [num_blocks, block_size, Hkv, D] per layer."""
-    shape = (2, spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    """One zeroed pool; a ``KVCache`` of views [num_blocks, block_size, Hkv, D] per layer (Hkv: this rank's)."""
+    shape = (2, spec.num_layers, num_blocks, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim)
     pool = torch.zeros(shape, dtype=dtype, device=device)
     return [KVCache(pool[0, i], pool[1, i]) for i in range(spec.num_layers)]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM, DecoderSpec
@@ -39,10 +40,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    spec: DecoderSpec, kernels: LayerKernels, path: Path, *, dtype: torch.dtype, device: torch.device
+    spec: DecoderSpec,
+    kernels: LayerKernels,
+    path: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
 ) -> DecoderForCausalLM:
-    """The decoder of ``spec``, built on ``device`` in ``dtype`` with ``kernels``, weights from ``path``, eval mode."""
+    """The decoder of ``spec``, built on ``device`` in ``dtype`` with ``kernels``, weights from ``path``, eval mode.
+    With ``tp`` of several ranks: this rank's shard, read alone from the files."""
     with _default_dtype(dtype), torch.device(device):
-        model = DecoderForCausalLM(spec, kernels)
+        model = DecoderForCausalLM(spec, kernels, tp)
     load_weights(model, path)
     return model.eval()

@@ -5,6 +5,11 @@ from its config.json by the declarations of models/architectures.py. Which kerne
 with ``LayerKernels`` at construction. Parameter names follow the Hugging Face checkpoints; where a
 module sits elsewhere here (the fused ``qkv_proj`` and ``gate_up_proj``, the QK-norms inside the
 attention layer) ``checkpoint_modules`` says where its tensors go.
+
+With tensor parallelism (``tp``, distributed/group.py) every module is built for this rank's shard
+(distributed/sharding.py): q/k/v and gate/up column-parallel (whole heads per rank), o_proj and down_proj
+row-parallel (one all-reduce each), the embedding and LM head split by vocabulary. At one rank the layers
+are the plain ones: no collective, no extra copy.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.distributed.sharding import DecoderShard, shard_decoder
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.layers.linear import MergedLinear
+from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import Llama3RopeScaling, RotaryEmbedding
+from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
 
 
 @dataclass(frozen=True)
@@ -45,24 +53,39 @@ class DecoderSpec:
     rope_scaling: Llama3RopeScaling | None = None
 
 
-class SelfAttention(nn.Module):
-    """Fused q/k/v projection -> the attention layer -> output projection."""
+def _head_rows(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
 
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, kernels: LayerKernels) -> None:
+
+class SelfAttention(nn.Module):
+    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads)."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        kernels: LayerKernels,
+        shard: DecoderShard,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, spec.qkv_bias)
+        d = spec.head_dim
+        q_rows, kv_rows = _head_rows(shard.heads, d), _head_rows(shard.kv_heads, d)
+        q_total, kv_total = spec.num_heads * d, spec.num_kv_heads * d
+        parts = {"q": (q_rows, q_total), "k": (kv_rows, kv_total), "v": (kv_rows, kv_total)}
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias)
         self.attn = Attention(
             layer_idx,
-            spec.num_heads,
-            spec.num_kv_heads,
+            shard.num_heads,
+            shard.num_kv_heads,
             spec.head_dim,
             rotary,
             kernels.attention,
             qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
             norm_kernel=kernels.rms_norm,
         )
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden]
@@ -70,24 +93,33 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
         super().__init__()
-        size = spec.intermediate_size
-        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": size, "up": size}, bias=spec.mlp_bias)
+        rows, total = shard.intermediate, spec.intermediate_size
+        parts = {"gate": (rows, total), "up": (rows, total)}
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, bias=spec.mlp_bias)
         self.act = SiluAndMul(kernels.silu_and_mul)
-        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, kernels: LayerKernels) -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        kernels: LayerKernels,
+        shard: DecoderShard,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
-        self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels)
+        self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
-        self.mlp = MLP(spec, kernels)
+        self.mlp = MLP(spec, kernels, shard, tp)
 
     def forward(self, positions, x, residual, ctx):
         if residual is None:
@@ -100,14 +132,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = vocab_embedding(shard.vocab, spec.hidden_size, tp)
         # One table for every layer (the attention layers hold it, as does this module).
         self.rotary = RotaryEmbedding(
             spec.head_dim, spec.max_position, spec.rope_theta, spec.rope_scaling, kernel=kernels.rotary
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.rotary, kernels) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, self.rotary, kernels, shard, tp) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -122,6 +156,8 @@ class DecoderForCausalLM(nn.Module):
     """``forward`` gives hidden states [T, hidden]; ``compute_logits`` turns selected rows into logits.
 
     model = DecoderForCausalLM(decoder_spec(hf_config, max_model_len=4096), LayerKernels(TorchAttention()))
+
+    ``tp``: this process's rank of a tensor-parallel group (distributed/group.py); it holds only its shard.
     """
 
     # checkpoint module name -> (module here, shard of it or None)
@@ -135,16 +171,19 @@ class DecoderForCausalLM(nn.Module):
         "k_norm": ("attn.k_norm", None),
     }
 
-    def __init__(self, spec: DecoderSpec, kernels: LayerKernels) -> None:
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, kernels)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.shard = shard_decoder(spec, tp.rank, tp.size)
+        self.model = DecoderModel(spec, kernels, self.shard, tp)
+        self.lm_head = lm_head(self.shard.vocab, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # the model's dtype: the sampler upcasts where it must
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [B, V] in the model's dtype (the sampler upcasts where it must); with tensor parallelism on
+        rank 0 only, None on the other ranks."""
+        return self.lm_head(hidden)

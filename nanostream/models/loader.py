@@ -1,4 +1,7 @@
-"""Finding a model directory and loading safetensors weights into a model by their Hugging Face names."""
+"""Finding a model directory and loading safetensors weights into a model by their Hugging Face names.
+
+Tensors are read as safetensors slices: a module that holds part of a tensor (a tensor-parallel shard, a
+part of a fused projection) reads only that part of the file."""
 
 from __future__ import annotations
 
@@ -46,7 +49,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     a tensor has no place in the model (its weights are for another architecture than config.json names).
 
     ``model.checkpoint_modules`` maps a checkpoint module name to (its module in ``model``, a shard of it or
-    None): ``{"q_proj": ("qkv_proj", "q"), "q_norm": ("attn.q_norm", None)}``."""
+    None): ``{"q_proj": ("qkv_proj", "q"), "q_norm": ("attn.q_norm", None)}``. A module with a shard takes it
+    with ``load_shard(param, slice, shard)``; one with ``load_weight(param, slice)`` (the tensor-parallel
+    layers) reads its own part; any other parameter is copied whole."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {path}")
@@ -72,17 +77,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 if param is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_slice(name)
+                module = model.get_submodule(target.rsplit(".", 1)[0])
                 with torch.no_grad():
-                    if shard is None:
-                        if param.shape != tensor.shape:
-                            raise ModelLoadError(
-                                f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(param.shape)}"
-                            )
-                        param.copy_(tensor)
-                    else:
-                        module = model.get_submodule(target.rsplit(".", 1)[0])
+                    if shard is not None:
                         module.load_shard(param, tensor, shard)
+                    elif hasattr(module, "load_weight"):
+                        module.load_weight(param, tensor)
+                    else:
+                        shape = tuple(tensor.get_shape())
+                        if tuple(param.shape) != shape:
+                            raise ModelLoadError(f"{name}: checkpoint shape {shape}, model {tuple(param.shape)}")
+                        param.copy_(tensor[:])
                 loaded.add(f"{target}:{shard}")
     if unexpected:
         arch = getattr(spec, "architecture", "this model")

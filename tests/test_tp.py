@@ -1,0 +1,172 @@
+"""Tensor parallelism on CPU (gloo): the split and its errors, the collectives, the step mirror, and whole
+engines at tp=2 and tp=4 against tp=1, token for token (float32, greedy), through LLM.generate,
+``nanostream serve --tensor-parallel-size 2`` and a two-"host" torchrun-style launch; a worker killed
+(SIGKILL) or stopped (SIGSTOP) is the engine's death, seen by every stream, and leaves no process behind.
+
+The fast tests run the ranks as threads of this process (gloo groups on a store of their own); the
+``slow`` ones start real worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from nanostream import SamplingParams
+from nanostream.distributed import SINGLE, TensorParallel, check_split, shard_decoder
+from nanostream.distributed.group import FRAME_BYTES
+from nanostream.distributed.rendezvous import host_locally
+from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.sequence import Sequence
+from nanostream.engine.step_inputs import pack_step
+from nanostream.layers.attention import ForwardContext
+from nanostream.layers.attention_backend import TorchAttention
+from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.models import decoder_spec, load_model
+
+CPU = torch.device("cpu")
+# Few KV blocks (preemption), a small step budget (chunked prefill), prompts sharing a prefix (cache hits).
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, kvcache_block_size=8, num_kvcache_blocks=24,
+              max_num_seqs=6, max_num_batched_tokens=32)  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def workload() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [shared + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
+    return [*prompts, [rng.randrange(3, 500) for _ in range(70)]]  # 70 tokens: three chunks of 32
+
+
+def spec_of(path: Path, **changes):
+    spec = decoder_spec(AutoConfig.from_pretrained(path), max_model_len=256)
+    return dataclasses.replace(spec, **changes)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux)."""
+    listed = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in listed if alive(c)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- the split -------------------------------------------------------------------------------------
+
+
+def test_kv_heads_are_replicated_on_the_ranks_whose_query_heads_read_them(qwen3_dir):
+    spec = spec_of(qwen3_dir)  # 4 query heads, 2 KV heads
+    assert (spec.num_heads, spec.num_kv_heads) == (4, 2)
+    shards = [shard_decoder(spec, r, 4) for r in range(4)]
+    assert [list(s.heads) for s in shards] == [[0], [1], [2], [3]]
+    assert [list(s.kv_heads) for s in shards] == [[0], [0], [1], [1]]  # query head h reads KV head h // 2
+    two = [shard_decoder(spec, r, 2) for r in range(2)]
+    assert [(list(s.heads), list(s.kv_heads), s.vocab) for s in two] == [
+        ([0, 1], [0], range(0, spec.vocab_size // 2)),
+        ([2, 3], [1], range(spec.vocab_size // 2, spec.vocab_size)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("changes", "size", "message"),
+    [
+        ({}, 3, r"num_attention_heads \(4\) is not divisible by it"),
+        ({"num_heads": 6, "num_kv_heads": 3}, 2, r"num_key_value_heads \(3\) is not divisible by it"),
+        ({"num_heads": 12, "num_kv_heads": 4}, 6, r"it is not a multiple of num_key_value_heads \(4\)"),
+        ({"intermediate_size": 130}, 4, r"intermediate_size \(130\) is not divisible by it"),
+        ({"vocab_size": 515}, 2, r"vocab_size \(515\) is not divisible by it"),
+    ],
+)
+def test_a_split_that_cannot_be_made_names_the_numbers(qwen3_dir, changes, size, message):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={size} cannot split Qwen3ForCausalLM: .*{message}"):
+        check_split(spec_of(qwen3_dir, **changes), size)
+
+
+# ---- ranks as threads ------------------------------------------------------------------------------
+
+
+def in_threads(size: int, fn):
+    """``fn(tp)`` on ``size`` ranks, each a thread of this process with gloo groups; the results by rank."""
+    rendezvous, store = host_locally(size)
+    results, errors = {}, []
+
+    def rank(r: int) -> None:
+        try:
+            own = store if r == 0 else rendezvous.for_rank(r).connect()
+            results[r] = fn(TensorParallel.connect(own, r, size, r, CPU))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+def test_collectives_and_the_control_channel():
+    long = bytes(range(256)) * (FRAME_BYTES // 128)  # two frames' worth
+
+    def ranks(tp: TensorParallel):
+        x = torch.full((2, 3), float(tp.rank + 1))
+        reduced = tp.all_reduce(x.clone())
+        gathered = tp.gather_last_dim(x)
+        samples = tp.broadcast(torch.tensor([7, 8]) if tp.is_first else torch.zeros(2, dtype=torch.int64))
+        if tp.is_first:
+            for message in (b"", b"step", long):
+                tp.publish(message)
+            received = None
+        else:
+            received = [tp.receive() for _ in range(3)]
+        return reduced, gathered, samples, received, tp.agree_min(100 - tp.rank)
+
+    out = in_threads(3, ranks)
+    for rank in range(3):
+        reduced, gathered, samples, received, smallest = out[rank]
+        assert torch.equal(reduced, torch.full((2, 3), 6.0)) and samples.tolist() == [7, 8] and smallest == 98
+        assert (gathered is None) == (rank > 0) and (rank == 0 or received == [b"", b"step", long])
+    assert out[0][1].tolist() == [[1.0] * 3 + [2.0] * 3 + [3.0] * 3] * 2
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(qwen3_dir, size):
+    spec = spec_of(qwen3_dir)
+
+    def forward(tp: TensorParallel):
+        model = load_model(spec, LayerKernels(TorchAttention()), qwen3_dir, dtype=torch.float32, device=CPU, tp=tp)
+        kv = allocate_kv_pool(spec, 16, 8, torch.float32, CPU, model.shard.num_kv_heads)
+        chunks = []
+        for i, (cached, new) in enumerate([(0, 11), (5, 1), (0, 20)]):
+            seq = Sequence(f"s{i}", list(range(3 + i, 3 + i + cached + new)), SamplingParams(), max_tokens=1,
+                           sampling_seed=0, stop_token_ids=frozenset())  # fmt: skip
+            seq.block_table = list(range(4 * i, 4 * i + 4))
+            chunks.append(WarmupChunk(seq, cached, new))
+        inputs = pack_step(chunks, 8, CPU)
+        with torch.inference_mode():
+            hidden = model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv))
+            return model, model.compute_logits(hidden[inputs.sample_rows])
+
+    _, expected = forward(SINGLE)
+    out = in_threads(size, forward)
+    d, hkv_local = spec.head_dim, max(1, spec.num_kv_heads // size)
+    for rank, (model, logits) in out.items():
+        qkv = model.model.layers[0].self_attn.qkv_proj.weight
+        assert qkv.shape[0] == (spec.num_heads // size + 2 * hkv_local) * d  # only this rank's rows were read
+        assert model.model.embed_tokens.weight.shape[0] == spec.vocab_size // size
+        assert (logits is None) == (rank > 0)
+    # The row-parallel sums add in another order: equal to float32 rounding, and the same greedy tokens.
+    torch.testing.assert_close(out[0][1], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0][1].argmax(-1), expected.argmax(-1))
