@@ -54,6 +54,9 @@ class EngineConfig:
     torch_compile: bool = True
     """Compile the elementwise layers (RMSNorm, rotary, SiLU-and-mul) with torch.compile on CUDA."""
     tensor_parallel_size: int = 1
+    """Split the model over this many processes (GPUs): this one and N-1 workers it starts, or torchrun's ranks."""
+    worker_timeout: float = 5.0
+    """Seconds a tensor-parallel worker may send no heartbeat before the engine takes it for hung and fails."""
     seed: int = 0
     """Seeds the sampling of requests that bring no seed of their own."""
 
@@ -84,8 +87,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; use tensor_parallel_size=1")
+        if isinstance(self.worker_timeout, bool) or not 0 < self.worker_timeout < float("inf"):
+            raise ValueError(f"worker_timeout must be a positive number of seconds, got {self.worker_timeout!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -33,7 +33,8 @@ class LLM:
         out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
         print(out[0].text)
 
-    Unknown keyword arguments raise ``TypeError``; see ``EngineConfig`` for the options.
+    Unknown keyword arguments raise ``TypeError``; see ``EngineConfig`` for the options. With
+    ``tensor_parallel_size=N`` it starts N-1 worker processes; ``with LLM(...) as llm:`` stops them at the end.
     """
 
     def __init__(self, model: str, **engine_config: Any) -> None:
@@ -41,6 +42,17 @@ class LLM:
         self.config = self.engine.config
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes now (they stop with the LLM's last reference,
+        or at exit, otherwise). Nothing to do at ``tensor_parallel_size=1``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -10,7 +10,9 @@ The fast tests run the ranks as threads of this process (gloo groups on a store 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import signal
 import threading
 from pathlib import Path
 
@@ -18,17 +20,22 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from nanostream import SamplingParams
+from nanostream import LLM, EngineDeadError, SamplingParams
 from nanostream.distributed import SINGLE, TensorParallel, check_split, shard_decoder
 from nanostream.distributed.group import FRAME_BYTES
 from nanostream.distributed.rendezvous import host_locally
+from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.control import StepReader, StepWriter, decode, encode
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.sampler import SamplerOutput
+from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import pack_step
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import decoder_spec, load_model
+from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 CPU = torch.device("cpu")
 # Few KV blocks (preemption), a small step budget (chunked prefill), prompts sharing a prefix (cache hits).
@@ -91,6 +98,15 @@ def test_kv_heads_are_replicated_on_the_ranks_whose_query_heads_read_them(qwen3_
 def test_a_split_that_cannot_be_made_names_the_numbers(qwen3_dir, changes, size, message):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={size} cannot split Qwen3ForCausalLM: .*{message}"):
         check_split(spec_of(qwen3_dir, **changes), size)
+
+
+def test_the_engine_refuses_an_impossible_split_before_starting_any_process(tmp_path):
+    path = make_tiny_model(tmp_path, vocab_size=515)  # the tokenizer's 512 ids, and 3 more rows
+    with pytest.raises(ValueError, match=r"vocab_size \(515\) is not divisible by it.*divides the model: 1$"):
+        LLM(str(path), tensor_parallel_size=2, **ENGINE)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*tensor_parallel_size that divides the model"):
+        LLM(str(path), tensor_parallel_size=3, **ENGINE)
+    assert children(os.getpid()) == []
 
 
 # ---- ranks as threads ------------------------------------------------------------------------------
@@ -170,3 +186,116 @@ def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(qwe
     # The row-parallel sums add in another order: equal to float32 rounding, and the same greedy tokens.
     torch.testing.assert_close(out[0][1], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0][1].argmax(-1), expected.argmax(-1))
+
+
+# ---- the step mirror -------------------------------------------------------------------------------
+
+
+class Samples:
+    """A launched step's samples as the next step's packing reads them (``step_inputs.PendingSource``)."""
+
+    def __init__(self, rows: dict, token_ids: list[int]) -> None:
+        self.rows, self.out = rows, SamplerOutput(torch.tensor(token_ids, dtype=torch.int64), None, None, None)
+
+
+def test_workers_pack_every_step_as_rank_0_does_through_preemption_prefix_hits_and_reused_ids():
+    # A real scheduler and block manager run short of blocks: each step's message, through msgpack, must
+    # give a worker the same packed inputs (ids, positions, slots, block tables) as rank 0's own chunks.
+    bm = BlockManager(14, 4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64)
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 100) for _ in range(9)]
+
+    def add(rid: str, n: int) -> None:
+        prompt = shared + [rng.randrange(3, 100) for _ in range(n)]
+        sched.add(
+            Sequence(rid, prompt, SamplingParams(), max_tokens=6 + n, sampling_seed=0, stop_token_ids=frozenset())
+        )
+
+    for i in range(5):
+        add(f"r{i}", 2 + 3 * i)
+    writer, reader = StepWriter(), StepReader()
+    in_flight = None  # (chunks, rank 0's samples, the worker's, the token ids)
+
+    def resolve() -> None:
+        chunks, *_, tokens = in_flight
+        sched.resolve(chunks, dict(zip((c.seq.request_id for c in chunks if c.samples), tokens)))
+
+    for step in range(80):
+        if step == 6:
+            sched.finish("r1", "abort")
+        if step == 9:
+            add("r1", 4)  # the id again, a new sequence
+        chunks = sched.schedule()
+        if not chunks:  # the last samples are still in flight, or everything has finished
+            if in_flight is None:
+                break
+            resolve()
+            in_flight = None
+            continue
+        mirrored = reader.chunks(decode(encode(writer.step(chunks))))
+        ours = pack_step(chunks, 4, CPU, in_flight and in_flight[1])
+        theirs = pack_step(mirrored, 4, CPU, in_flight and in_flight[2])
+        for a, b in [(ours.input_ids, theirs.input_ids), (ours.positions, theirs.positions)] + [
+            (getattr(ours.meta, f), getattr(theirs.meta, f)) for f in ("slot_mapping", "seq_lens", "block_tables")
+        ]:
+            assert torch.equal(a, b), step
+        assert ours.sample_rows == theirs.sample_rows
+        sampling = [c for c in chunks if c.samples]
+        tokens = [rng.randrange(3, 100) for _ in sampling]
+        sched.launched(chunks)
+        if in_flight is not None:
+            resolve()
+        rows0 = {c.seq.request_id: i for i, c in enumerate(sampling)}
+        rows1 = {c.seq.request_id: i for i, c in enumerate(m for m in mirrored if m.samples)}
+        in_flight = (chunks, Samples(rows0, tokens), Samples(rows1, tokens), tokens)
+    assert not sched.requests, "the run ended before every request finished"
+    assert sched.num_preemptions > 0 and sched.num_prefix_hits > 0
+    assert len(reader._tables) <= 1  # the finished sequences were forgotten (the last may still be known)
+
+
+# ---- whole engines (worker processes) ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def preset_dirs(tmp_path_factory):
+    return {name: make_tiny_model(tmp_path_factory.mktemp(name), **TINY_PRESETS[name]) for name in ("llama", "mistral")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """tp=1 outputs of the workload, by model directory (one in-process engine each)."""
+    outputs = {}
+
+    def get(path) -> list[list[int]]:
+        if path not in outputs:
+            with LLM(str(path), **ENGINE) as llm:
+                outputs[path] = [o.token_ids for o in llm.generate(workload(), GREEDY, use_tqdm=False)]
+        return outputs[path]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "size"), [("qwen3", 2), ("qwen3", 4), ("qwen2", 2), ("qwen2", 4), ("llama", 2), ("mistral", 2)]
+)
+def test_generate_is_token_identical_to_one_rank(model, size, request, preset_dirs, reference):
+    path = preset_dirs.get(model) or request.getfixturevalue(f"{model}_dir")
+    with LLM(str(path), tensor_parallel_size=size, **ENGINE) as llm:
+        assert len(children(os.getpid())) == size - 1
+        got = [o.token_ids for o in llm.generate(workload(), GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()
+    assert got == reference(path)
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.steps["mixed"] > 0
+    assert children(os.getpid()) == []  # close() stopped the workers
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_next_generate_and_leaves_nothing_behind(qwen3_dir, reference):
+    with LLM(str(qwen3_dir), tensor_parallel_size=2, worker_timeout=2.0, **ENGINE) as llm:
+        (worker,) = children(os.getpid())
+        os.kill(worker, signal.SIGKILL)  # while the engine idles: the watch sees it
+        with pytest.raises(EngineDeadError, match=rf"worker rank 1 \(pid {worker}\) was killed by SIGKILL"):
+            llm.generate(workload(), GREEDY, use_tqdm=False)
+    assert children(os.getpid()) == []

@@ -116,7 +116,8 @@ def test_unknown_config_key_is_a_type_error(qwen3_dir):
         ({"dtype": "fp8"}, "dtype must be one of"),
         ({"attention_backend": "magic"}, "attention_backend must be one of"),
         ({"kvcache_block_size": -1}, "kvcache_block_size"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+        ({"worker_timeout": 0}, "worker_timeout must be a positive number"),
     ],
 )
 def test_bad_config_values(kwargs, match):

@@ -136,6 +136,6 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 (self.free_empty if block.block_hash is None else self.free_cached)[block_id] = None
-        seq.block_table.clear()
+        seq.block_table = []  # a new list, not cleared: a tensor-parallel mirror of the old one sees it replaced
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0

@@ -4,6 +4,9 @@ Token ids in, token ids out; no tokenizer, no I/O. The offline ``LLM`` and the e
 drive it by calling ``step()`` in a loop. A step is launched on the device before the previous one's
 samples are read back, so the host's scheduling and bookkeeping overlap the GPU's work; ``step()``
 returns the previous step's tokens.
+
+With ``tensor_parallel_size`` N > 1 this process is rank 0: it starts (or, with torchrun's ``rendezvous``,
+meets) N-1 workers (engine/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import torch
 from transformers import AutoConfig
 
 from nanostream.config import EngineConfig
+from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.engine.stats import StepCounters
-from nanostream.errors import InvalidRequestError, ModelLoadError
+from nanostream.engine.workers import WorkerGroup, agreed_config
+from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from nanostream.models import decoder_spec
 from nanostream.models.loader import resolve_model_path
 from nanostream.protocol import EngineStats, RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
@@ -66,9 +72,13 @@ class LLMEngine:
     engine.add_request("r1", [9707, 11], SamplingParams(max_tokens=8))
     while engine.has_unfinished():
         for delta in engine.step().deltas: ...
+    engine.close()  # stops tensor-parallel workers, if any
+
+    ``rendezvous``: torchrun's variables, read by the process's entry point, when this process is rank 0 of
+    ranks launched by torchrun; without it the workers are started here.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
         self.model_path = resolve_model_path(config.model)
         try:
             hf_config = AutoConfig.from_pretrained(self.model_path)
@@ -77,7 +87,20 @@ class LLMEngine:
         self.config = config = config.resolve(
             max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
         )
-        self.runner = ModelRunner(config, hf_config, self.model_path)
+        spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, spec, self.model_path)
+        else:
+            self.config = config = agreed_config(config, spec, rendezvous.local_rank if rendezvous else 0)
+            self.workers = WorkerGroup(config, spec, rendezvous)
+            try:
+                self.runner = ModelRunner(config, spec, self.model_path, tp=self.workers.tp, control=self.workers)
+            except Exception as exc:  # none of the ranks can go on without the others
+                error = self.workers.failed_to_start(exc)
+                if error is exc:
+                    raise
+                raise error from exc
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = read_eos_token_ids(self.model_path, hf_config)
         self.block_manager = BlockManager(
@@ -110,6 +133,16 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot go on (a tensor-parallel worker died or hung); None while it can."""
+        return self.workers.failure if self.workers is not None else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at one rank). The engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes)."""
@@ -181,10 +214,12 @@ class LLMEngine:
 
         If stepping raises, the requests of the failed step (and of the one in flight) end with
         finish_reason "error" and the engine serves on; after ``MAX_FAILED_STEPS`` failures in a row
-        the exception propagates."""
+        the exception propagates. ``EngineDeadError`` (tensor parallelism: a rank is gone) propagates at once."""
         start = time.perf_counter()
         try:
             result = self._step()
+        except EngineDeadError:  # a worker died or hung: no step can run again
+            raise
         except Exception as exc:
             self._failed_steps += 1
             if self._failed_steps >= MAX_FAILED_STEPS:

@@ -5,6 +5,12 @@ to compute, ``step_inputs.Chunk``) and returns the token sampled for every seque
 reached its end. Its helpers, by job: kv_pool.py (how many blocks, the allocation), step_inputs.py
 (packing a step), sampling_batch.py (sampling parameters as tensors, samples read back),
 cuda_graphs.py (decode replays).
+
+With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
+publishes the step to the others (``control``: engine/workers.py); every rank then runs it
+(``launch_local``) in lockstep: the same packed inputs, the same CUDA-graph bucket, the same collectives.
+Rank 0 gathers the logits and samples; its samples are broadcast, since the next step may read them as
+inputs. The warm-up and the graph captures run on every rank alike, without a control message.
 """
 
 from __future__ import annotations
@@ -13,11 +19,12 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanostream.config import EngineConfig
+from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.engine.cuda_graphs import DecodeGraphs
 from nanostream.engine.kv_pool import (
     allocate_kv_pool,
@@ -34,7 +41,10 @@ from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.models import decoder_spec, load_model
+from nanostream.models import DecoderSpec, load_model
+
+if TYPE_CHECKING:
+    from nanostream.engine.workers import WorkerGroup
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
@@ -56,14 +66,25 @@ def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: Any, model_path: Path) -> None:
+    """``tp``: this process's rank (default: the only one); ``control``: on rank 0 of several, the workers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: DecoderSpec,
+        model_path: Path,
+        *,
+        tp: TensorParallel = SINGLE,
+        control: WorkerGroup | None = None,
+    ) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.kvcache_block_size
-        self.spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
+        self.spec = spec
         self.vocab_size = self.spec.vocab_size
         self.device_wait_seconds = 0.0  # the host waiting for the device in collect(), summed
+        self.tp, self.control = tp, control
         cuda = self.device.type == "cuda"
         self.backend = get_backend(
             config.attention_backend,
@@ -73,9 +94,12 @@ class ModelRunner:
             head_dim=self.spec.head_dim,
         )
         kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
-        self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device)
+        self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp)
+        self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
+        if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
+            self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
@@ -90,17 +114,17 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.spec, self.block_size, self.dtype)
+        return kv_block_bytes(self.spec, self.block_size, self.dtype, self.num_kv_heads)
 
     def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
-        return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads)
 
     def _cuda_kv_budget(self) -> int:
         num_blocks, chunks = worst_step(self.config)
 
         def run() -> None:
             self.kv_caches = self._allocate_kv(num_blocks)
-            self.execute(chunks)
+            self.collect(self.launch_local(chunks))  # every rank runs it: no control message
             del self.kv_caches
 
         return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, run)
@@ -114,9 +138,17 @@ class ModelRunner:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
         return pack_step(chunks, self.block_size, self.device, prev)
 
-    @torch.inference_mode()
     def launch(self, chunks: list[Chunk], prev: InFlight | None = None) -> InFlight:
-        """Queue the step on the device (inputs, model, sampling) without waiting for it."""
+        """Queue the step on the device (inputs, model, sampling) without waiting for it; with workers,
+        tell them first (a failure while they run it raises ``EngineDeadError``)."""
+        if self.control is None:
+            return self.launch_local(chunks, prev)
+        with self.control.step(chunks):
+            return self.launch_local(chunks, prev)
+
+    @torch.inference_mode()
+    def launch_local(self, chunks: list[Chunk], prev: InFlight | None = None) -> InFlight:
+        """``launch`` on this rank alone: what a worker runs for each of rank 0's steps, and the warm-up."""
         input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -127,9 +159,15 @@ class ModelRunner:
             return InFlight([], {}, None)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
-        logits = self.model.compute_logits(hidden)  # [B, V], the model's dtype
+        logits = self.model.compute_logits(hidden)  # [B, V], the model's dtype; None on ranks > 0
+        rows = {s.request_id: i for i, s in enumerate(seqs)}
+        if logits is None:  # a worker: rank 0 samples, and its samples come here for the next step's inputs
+            token_ids = self.tp.broadcast(torch.empty(len(seqs), dtype=torch.int64, device=self.device))
+            return InFlight(seqs, rows, SamplerOutput(token_ids, None, None, None))
         out = sample(logits, make_sampling_batch(seqs, self.vocab_size, self.device))
-        step = InFlight(seqs, {s.request_id: i for i, s in enumerate(seqs)}, out, out)
+        if self.tp.size > 1:
+            self.tp.broadcast(out.token_ids)
+        step = InFlight(seqs, rows, out, out)
         if self.device.type == "cuda":
             # Start the copy back now and wait for this event alone in collect(): a plain .tolist() would
             # also wait for the step launched after this one, and nothing would overlap.
