@@ -19,11 +19,12 @@ import gc
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from nanostream.config import EngineConfig, ServerConfig
-from nanostream.errors import NanostreamError
+from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -78,6 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
+    from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
     from nanostream.engine.server import EngineFailure, EngineServer
 
     server_kwargs = config_kwargs(args, ServerConfig)
@@ -85,7 +87,21 @@ def _serve(args: argparse.Namespace) -> int:
     server_kwargs.setdefault("auth_token", os.environ.get("NANOSTREAM_AUTH_TOKEN"))
     server_config = ServerConfig(**server_kwargs)
     engine_config = EngineConfig.from_kwargs(args.model or str(default_model_dir()), **engine_kwargs(args))
-    server = EngineServer(engine_config, server_config)
+    rendezvous = Rendezvous.from_env(os.environ)  # launched by torchrun (or as it would): one rank of several
+    if rendezvous is not None:
+        if rendezvous.world_size != engine_config.tensor_parallel_size:
+            raise ValueError(
+                f"WORLD_SIZE={rendezvous.world_size} but --tensor-parallel-size {engine_config.tensor_parallel_size}: "
+                "give every rank --tensor-parallel-size equal to WORLD_SIZE"
+            )
+        os.environ.update(with_multicast_off(os.environ))  # NCCL's settings, for this process (an entry point)
+        if rendezvous.rank != 0:  # a worker: it takes every engine option from rank 0
+            from nanostream.engine.worker import run_worker
+
+            return run_worker(rendezvous)
+    server = EngineServer(engine_config, server_config, rendezvous)
+    if server.engine.workers is not None:
+        server.engine.workers.on_failure(_exit_if_stuck)
 
     def ready(address: str) -> None:
         print(f"nanostream engine ready at {address}", flush=True)
@@ -102,10 +118,27 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(2e-4)
     try:
         server.serve_forever(ready)
-    except EngineFailure as exc:  # the clients were told; the process says so and exits non-zero
+    except (EngineFailure, EngineDeadError) as exc:  # the clients were told; the process says so and exits non-zero
         print(f"nanostream serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+STUCK_GRACE = 10.0
+"""Seconds the engine loop gets to shut down once a tensor-parallel worker is seen dead or hung."""
+
+
+def _exit_if_stuck(reason: str) -> None:
+    """A worker died or hung: the engine loop shuts down on its own unless it waits in a collective with a rank
+    nothing here can kill (another host's). Then the process exits, and its clients see it gone."""
+
+    def check() -> None:
+        print(f"nanostream serve: {reason}; the engine did not stop within {STUCK_GRACE:g} s, exiting", file=sys.stderr)
+        os._exit(1)
+
+    timer = threading.Timer(STUCK_GRACE, check)
+    timer.daemon = True  # the process ending on its own (the usual case) cancels it
+    timer.start()
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:

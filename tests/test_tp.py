@@ -13,14 +13,21 @@ import dataclasses
 import os
 import random
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
+from helpers import engine_processes, run_in_thread
 from transformers import AutoConfig
 
-from nanostream import LLM, EngineDeadError, SamplingParams
+from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
+from nanostream.client.launch import READY
 from nanostream.distributed import SINGLE, TensorParallel, check_split, shard_decoder
 from nanostream.distributed.group import FRAME_BYTES
 from nanostream.distributed.rendezvous import host_locally
@@ -299,3 +306,108 @@ def test_a_dead_worker_fails_the_next_generate_and_leaves_nothing_behind(qwen3_d
         with pytest.raises(EngineDeadError, match=rf"worker rank 1 \(pid {worker}\) was killed by SIGKILL"):
             llm.generate(workload(), GREEDY, use_tqdm=False)
     assert children(os.getpid()) == []
+
+
+async def stream_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt streamed at once from one client; each stream's token ids, in prompt order."""
+    async with AsyncClient(address) as client:
+        outputs = [[] for _ in prompts]
+
+        async def one(i: int) -> None:
+            async for chunk in client.stream(prompts[i], GREEDY):
+                outputs[i] += chunk.token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_tp2_engines_at_once_stream_what_one_rank_generates(qwen3_dir, reference):
+    # Each engine hosts its store on a port the OS gave it: started at the same moment, they never meet.
+    options = {**ENGINE, "tensor_parallel_size": 2}
+    with engine_processes(str(qwen3_dir), {"a": options, "b": options}) as engines:
+        for engine in engines.values():
+            assert len(children(engine.pid)) == 1
+        results = [run_in_thread(stream_all, e.address, workload()) for e in engines.values()]
+        workers = [w for e in engines.values() for w in children(e.pid)]
+    assert results == [reference(qwen3_dir)] * 2
+    assert not any(alive(w) for w in workers)  # stopping an engine stopped its worker
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_worker_killed_or_stopped_mid_stream_ends_every_stream_with_engine_dead(qwen3_dir, sig):
+    timeout = 2.0
+    options = {**ENGINE, "max_model_len": 2048, "num_kvcache_blocks": 1024, "tensor_parallel_size": 2}
+    with engine_processes(str(qwen3_dir), {"tp": {**options, "worker_timeout": timeout}}) as engines:
+        engine = engines["tp"]
+        (worker,) = children(engine.pid)
+
+        async def main() -> list[tuple[int, float]]:
+            ended: list[tuple[int, float]] = []  # per stream: tokens received, seconds after the signal
+            async with AsyncClient(engine.address, timeout=30) as client:  # the engine, not silence, says it
+
+                async def one(i: int) -> None:
+                    received = 0
+                    with pytest.raises(EngineDeadError, match="worker rank 1"):
+                        async for chunk in client.stream(
+                            [5 + i, 6, 7], max_tokens=1900, temperature=0, ignore_eos=True
+                        ):
+                            received += len(chunk.token_ids)
+                    ended.append((received, time.monotonic() - killed))
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(3):
+                        tg.start_soon(one, i)
+                    await anyio.sleep(1.0)
+                    killed = time.monotonic()
+                    os.kill(worker, sig)
+            return ended
+
+        ended = run_in_thread(main)
+        assert engine.proc.wait(20) == 1  # the engine process exits, saying why
+    assert len(ended) == 3 and all(n > 0 for n, _ in ended)
+    assert all(after < timeout + 3.0 for _, after in ended), ended
+    assert not alive(worker), "the stopped worker was left behind"
+    assert ("killed by SIGKILL" if sig == signal.SIGKILL else "no heartbeat for") in engine.output()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_hosts_torchrun_style_serve_a_streaming_client(qwen3_dir, reference):
+    # Two launches with torchrun's variables and the same MASTER_ADDR/MASTER_PORT, one rank each, as two
+    # hosts would run them (here both on this one). Rank 0 is the engine; rank 1 takes its options from it.
+    port, procs = free_port(), {}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    for rank in (1, 0):  # the worker first: it waits for rank 0's store
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK="0", PYTHONUNBUFFERED="1")  # fmt: skip
+        cmd = [sys.executable, "-m", "nanostream", "serve", str(qwen3_dir), "--tensor-parallel-size", "2", *flags]
+        procs[rank] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = {rank: [] for rank in procs}
+    ready = threading.Event()
+
+    def pump(rank: int) -> None:  # read each launch's output as it comes (a full pipe would stall it)
+        for line in procs[rank].stdout:
+            logs[rank].append(line)
+            if line.startswith(READY):
+                ready.set()
+
+    for rank in procs:
+        threading.Thread(target=pump, args=(rank,), daemon=True).start()
+    try:
+        assert ready.wait(120), "".join(logs[0] + logs[1])
+        address = next(line[len(READY) :].strip() for line in logs[0] if line.startswith(READY))
+        assert run_in_thread(stream_all, address, workload()) == reference(qwen3_dir)
+    finally:
+        procs[0].terminate()
+        codes = {rank: proc.wait(30) for rank, proc in procs.items()}
+    assert codes == {0: 0, 1: 0}  # rank 0 shut down cleanly and told rank 1 to stop
+    assert any("worker rank 1 stopping: the engine closed" in line for line in logs[1])

@@ -30,9 +30,11 @@ from pathlib import Path
 
 from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
+from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.engine.requests import Client, RequestBook
 from nanostream.engine.transport import DISCONNECTED, NOT_READING, Transport, check_bind_address, default_address
+from nanostream.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,15 @@ def files_digest(files: dict[str, bytes]) -> str:
 
 
 class EngineServer:
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """``rendezvous``: torchrun's variables, when this process is rank 0 of tensor-parallel ranks torchrun launched."""
+
+    def __init__(
+        self, engine_config: EngineConfig, server_config: ServerConfig, rendezvous: Rendezvous | None = None
+    ) -> None:
         self.config = server_config
         self.address = server_config.address or default_address()
         check_bind_address(self.address, server_config.auth_token)  # before the slow part: loading
-        self.engine = LLMEngine(engine_config)
+        self.engine = LLMEngine(engine_config, rendezvous)
         files, template = tokenizer_files(Path(engine_config.tokenizer or self.engine.model_path))
         self.engine_id = secrets.token_hex(8)
         max_request_bytes = p.max_request_bytes(self.engine.max_model_len)
@@ -121,6 +127,9 @@ class EngineServer:
                 if self.transport.failure is not None:
                     reason = f"the engine failed: its socket thread died ({self.transport.failure!r})"
                     raise EngineFailure(reason) from self.transport.failure
+                if self.engine.failure is not None:  # a tensor-parallel worker died or hung, seen while idle
+                    reason = f"the engine failed: {self.engine.failure}"
+                    raise EngineFailure(reason)
                 # 2. one engine step: the next is launched before this one's outputs are routed
                 if self.engine.has_unfinished():
                     deltas = self.engine.step().deltas
@@ -135,7 +144,10 @@ class EngineServer:
                 self.requests.flush(self._send)
                 self.transport.flush()
         except Exception as exc:
-            if not isinstance(exc, EngineFailure):
+            if isinstance(exc, EngineDeadError):  # a tensor-parallel rank is gone: no traceback of ours helps
+                reason = f"the engine failed: {exc}"
+                log.error(reason)
+            elif not isinstance(exc, EngineFailure):
                 log.exception("the engine loop failed")
                 reason = f"the engine failed: {type(exc).__name__}: {exc}"
             raise
@@ -256,6 +268,7 @@ class EngineServer:
         for identity in self.clients:
             self._send(identity, p.Shutdown(reason))
         self.transport.close()
+        self.engine.close()
 
 
 _UNREGISTERED = "this connection is not registered with the engine (the engine dropped it): say hello again"
