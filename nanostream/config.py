@@ -38,7 +38,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use (weights, activations and KV cache)."""
     kv_cache_memory_bytes: int | None = None
-    """Bytes of KV cache. Overrides gpu_memory_utilization; on CPU the default is 1 GiB."""
+    """Bytes of KV cache (per rank, with tensor parallelism). Overrides gpu_memory_utilization; on CPU the
+    default is 1 GiB."""
     num_kvcache_blocks: int | None = None
     """Exact number of KV blocks; overrides both memory settings."""
     enable_prefix_caching: bool = True

@@ -94,7 +94,7 @@ class Watch:
 
     def exited(self) -> str | None:
         """Which worker started on this host has exited, and how; None if none has."""
-        for rank, proc in self._processes.items():
+        for rank, proc in list(self._processes.items()):  # (a copy: the caller may be adding to it)
             if proc.poll() is not None:
                 return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}"
         return None
@@ -121,7 +121,10 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stopped.wait(BEAT_INTERVAL):
-            reason = self._check()
+            try:
+                reason = self._check()
+            except Exception as exc:  # a watch that cannot look is no watch: say so rather than go blind
+                reason = f"the watch over the tensor-parallel workers failed ({type(exc).__name__}: {exc})"
             if reason is not None and not self._stopped.is_set():
                 self.failure = reason
                 log.error("%s: the engine cannot go on", reason)

@@ -47,7 +47,7 @@ class Rendezvous:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Rendezvous | None:
         """The rendezvous torchrun's variables describe; None when WORLD_SIZE is unset or 1."""
-        if int(environ.get("WORLD_SIZE", "1") or 1) == 1:
+        if environ.get("WORLD_SIZE", "1") in ("", "1"):
             return None
         missing = [name for name in TORCHRUN_VARIABLES[:4] if not environ.get(name)]
         if missing:
@@ -59,7 +59,7 @@ class Rendezvous:
             port, world, rank = (int(environ[k]) for k in ("MASTER_PORT", "WORLD_SIZE", "RANK"))
             local_rank = int(environ.get("LOCAL_RANK", "0"))
         except ValueError as exc:
-            raise ValueError(f"torchrun's variables must be integers where they count: {exc}") from None
+            raise ValueError(f"MASTER_PORT, WORLD_SIZE, RANK and LOCAL_RANK must be integers: {exc}") from None
         agent = environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         return cls(environ["MASTER_ADDR"], port, world, rank, local_rank, agent)
 

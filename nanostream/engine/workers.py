@@ -108,10 +108,10 @@ class WorkerGroup:
         # The workers die with this object (or when the interpreter exits) at the latest.
         self._finalizer = weakref.finalize(self, _kill, self._processes, self.watch)
         store.set("setup", encode(Setup(config, spec)))
-        if local:
-            self._processes.update({r: _spawn(rendezvous.for_rank(r), device) for r in range(1, size)})
         self.watch.start()
         try:
+            for r in range(1, size) if local else ():
+                self._processes[r] = _spawn(rendezvous.for_rank(r), device)
             self._wait_joined()
             self.tp = TensorParallel.connect(store, 0, size, rendezvous.local_rank, device)
         except BaseException as exc:
@@ -145,6 +145,8 @@ class WorkerGroup:
         """Publish the step to the workers; run it on this rank inside. Any failure is fatal (``EngineDeadError``)."""
         if self.failure is not None:
             raise EngineDeadError(f"{self.failure}; the engine cannot go on")
+        if self._closed:
+            raise EngineDeadError("the engine was closed (close()); make a new one to generate again")
         try:
             self.tp.publish(encode(self._writer.step(chunks)))
             yield
