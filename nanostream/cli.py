@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from nanostream import discovery
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.sampling_params import SamplingParams
@@ -83,6 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
     from nanostream.engine.server import EngineFailure, EngineServer
 
     server_kwargs = config_kwargs(args, ServerConfig)
+    if args.openai_port is not None or args.gradio_port is not None:
+        from nanostream.service import run_service
+
+        return run_service(args, args.model, {**server_kwargs, **engine_kwargs(args)})
     server_kwargs.setdefault("address", os.environ.get("NANOSTREAM_ADDRESS"))
     server_kwargs.setdefault("auth_token", os.environ.get("NANOSTREAM_AUTH_TOKEN"))
     server_config = ServerConfig(**server_kwargs)
@@ -103,9 +108,14 @@ def _serve(args: argparse.Namespace) -> int:
     if server.engine.workers is not None:
         server.engine.workers.on_failure(_exit_if_stuck)
 
+    record = []
+
     def ready(address: str) -> None:
         print(f"nanostream engine ready at {address}", flush=True)
         print(f"  clients: AsyncClient({address!r}) or NANOSTREAM_ADDRESS={address}", flush=True)
+        if server_config.register:  # found by local clients given no address, until this process stops
+            record.append(discovery.register(address, engine_config.model))
+            print("  local clients given no address (nanostream chat, AsyncClient()) find it", flush=True)
 
     # Everything loaded so far (torch, the model, compiled kernels: ~10^5 objects) lives as long as the
     # process: keep it out of the collector's full passes, which stalled a step for 280 ms on an H200.
@@ -121,6 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
     except (EngineFailure, EngineDeadError) as exc:  # the clients were told; the process says so and exits non-zero
         print(f"nanostream serve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for path in record:
+            discovery.unregister(path)
     return 0
 
 
@@ -192,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run an engine process that clients connect to")
     serve.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded demo model)")
+    service = serve.add_argument_group("frontends: serve them with the engine, as one service")
+    service.add_argument("--openai-port", type=int, help="serve the OpenAI-compatible API on this port")
+    service.add_argument("--gradio-port", type=int, help="serve the Gradio chat on this port")
+    service.add_argument(
+        "--host", default="127.0.0.1", help="the frontends' interface; 0.0.0.0 for every one (default %(default)s)"
+    )
+    service.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOSTREAM_API_KEY"),
+        help="the OpenAI API's key (default: $NANOSTREAM_API_KEY)",
+    )
     add_config_args(serve, ServerConfig, "server options (NANOSTREAM_ADDRESS / NANOSTREAM_AUTH_TOKEN as defaults)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

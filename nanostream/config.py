@@ -141,6 +141,9 @@ class ServerConfig:
     """Open requests (running or waiting) of one client; more are refused with EngineBusyError."""
     max_client_tokens: int = 8_388_608
     """Prompt tokens of one client's open requests; a request past this is refused with EngineBusyError."""
+    register: bool = True
+    """Record the address where local clients look when they are given none (the user's runtime
+    directory), until the engine stops; ``EngineProcess`` engines, private to their program, do not."""
     exit_with_parent: bool = False
     """Stop when the process that started this one exits (``EngineProcess`` sets it: an engine that a
     program starts for itself does not outlive the program, however it ends)."""

@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
 from nanostream.client.output_processor import OutputProcessor
+from nanostream.discovery import discover
 from nanostream.errors import (
     ClientClosedError,
     ConnectionLostError,
@@ -99,9 +100,7 @@ class Connection:
     the API on top of it."""
 
     def __init__(self, address: str | None = None, *, timeout: float = 10.0, auth_token: str | None = None) -> None:
-        address = address or os.environ.get(ADDRESS_ENV)
-        if not address:
-            raise ValueError(f"no engine address: pass AsyncClient(address) or set {ADDRESS_ENV}")
+        address = address or os.environ.get(ADDRESS_ENV) or discover()  # the one local `nanostream serve`
         if not address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"engine address must be ipc://PATH or tcp://HOST:PORT, got {address!r}")
         if not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):

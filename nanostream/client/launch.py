@@ -28,6 +28,7 @@ class EngineProcess:
 
     def __init__(self, model: str | None = None, *, startup_timeout: float = 300.0, **options: Any) -> None:
         options.setdefault("exit_with_parent", True)
+        options.setdefault("register", False)  # private to this program: not for `AsyncClient()` to find
         self.cmd = [sys.executable, "-m", "nanostream", "serve"] + ([str(model)] if model else [])
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")

@@ -1,0 +1,91 @@
+"""``nanostream serve MODEL --openai-port PORT [--gradio-port PORT]``: an engine and its frontends as
+one service.
+
+The engine and each frontend run as child processes of this one. One Ctrl-C or SIGTERM stops them
+all. A child that exits stops the others; this process then says which one and exits 1. The engine
+dies with this process even if it is killed (``exit_with_parent``); the frontends find the engine
+by its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from nanostream.client.launch import EngineProcess
+
+_POLL_S = 0.2
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_service(args: argparse.Namespace, model: str | None, options: dict) -> int:
+    """Start the engine (``options``: its serve options), then the frontends; supervise until one ends."""
+    if not _loopback(args.host) and not args.api_key:
+        print(
+            f"nanostream serve: warning: serving HTTP on {args.host} with no --api-key: anyone who can reach it "
+            "may use the model",
+            file=sys.stderr,
+        )
+    stopping = []
+    previous = {sig: signal.signal(sig, lambda *_: stopping.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    engine = EngineProcess(model, register=True, **options)
+    children: list[tuple[str, subprocess.Popen]] = []
+    try:
+        try:
+            engine.start()
+        except (RuntimeError, TimeoutError) as exc:  # it said why; its last lines are in the message
+            print(f"nanostream serve: {exc}", file=sys.stderr)
+            return 1
+        print(f"nanostream engine ready at {engine.address}", flush=True)
+        env = dict(os.environ, NANOSTREAM_ADDRESS=engine.address)
+        if options.get("auth_token"):
+            env["NANOSTREAM_AUTH_TOKEN"] = options["auth_token"]
+        frontends = [("openai", args.openai_port, "OpenAI API", "/v1"), ("gradio", args.gradio_port, "Gradio chat", "")]
+        for name, port, what, path in frontends:
+            if port is None:
+                continue
+            cmd = [sys.executable, "-m", "nanostream", "frontend", name, "--host", args.host, "--port", str(port)]
+            if name == "openai" and args.api_key:
+                cmd += ["--api-key", args.api_key]
+            children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
+            print(f"nanostream: {what} at http://{args.host}:{port}{path}", flush=True)
+        while not stopping:
+            if engine.proc.poll() is not None:
+                return _ended("the engine", engine.proc.returncode)
+            for what, proc in children:
+                if proc.poll() is not None:
+                    return _ended(what, proc.returncode)
+            time.sleep(_POLL_S)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for _, proc in children:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in children:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        engine.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ended(what: str, code: int | None) -> int:
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+    print(f"nanostream serve: {what} {how}; stopping the service", file=sys.stderr)
+    return 1
