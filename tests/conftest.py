@@ -1,7 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+# The engines the tests start record themselves (nanostream/discovery.py) in a runtime directory of
+# the test run's own, never in the user's: a client given no address finds only what a test started.
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ns-run-")
 
 # Without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before any
 # kernel module is imported.
