@@ -14,36 +14,63 @@ of their defaults.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import gc
+import inspect
+import itertools
 import logging
 import os
 import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from nanostream import discovery
-from nanostream.config import EngineConfig, ServerConfig
-from nanostream.errors import EngineDeadError, NanostreamError
+from nanostream.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ServerConfig
+from nanostream.errors import EngineDeadError, NanostreamError, RequestFailedError
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), as one line."""
+    docs: dict[str, str] = {}
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, after in itertools.pairwise(body):
+        text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(text, str):
+            docs[node.target.id] = " ".join(text.split())
+    return docs
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
-    """One ``--option`` per field of a config dataclass; unset options keep the dataclass default."""
+    """One ``--option`` per field of a config dataclass, described by the field's docstring, with its
+    choices and default; unset options keep the dataclass default."""
     group = parser.add_argument_group(title)
+    docs = field_docs(cls)
     for field in dataclasses.fields(cls):
         if field.name == "model" or field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         base = str(field.type).replace(" | None", "")
-        doc = f"(default: {field.default})"
+        choices = CHOICES.get(field.name)
+        default = "none" if field.default is None else field.default
+        doc = f"{docs.get(field.name, '')} (default: {default})".strip().replace("%", "%%")
         if base == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=doc)
         else:
-            group.add_argument(flag, type=_TYPES[base], default=argparse.SUPPRESS, metavar=base.upper(), help=doc)
+            group.add_argument(
+                flag,
+                type=_TYPES[base],
+                choices=choices,
+                default=argparse.SUPPRESS,
+                metavar="{" + ",".join(choices) + "}" if choices else base.upper(),
+                help=doc,
+            )
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -83,6 +110,10 @@ def _serve(args: argparse.Namespace) -> int:
     from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
     from nanostream.engine.server import EngineFailure, EngineServer
 
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            raise ValueError(f"two models given ({args.model} and --model {args.model_option}): give one")
+        args.model = args.model_option
     server_kwargs = config_kwargs(args, ServerConfig)
     if args.openai_port is not None or args.gradio_port is not None:
         from nanostream.service import run_service
@@ -189,7 +220,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nanostream import __version__
+
     parser = argparse.ArgumentParser(prog="nanostream", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"nanostream {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also NANOSTREAM_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate completions offline, in this process")
@@ -205,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run an engine process that clients connect to")
     serve.add_argument("model", nargs="?", help="Hugging Face model directory (default: the embedded demo model)")
+    serve.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as generate and demo take it")
     service = serve.add_argument_group("frontends: serve them with the engine, as one service")
     service.add_argument("--openai-port", type=int, help="serve the OpenAI-compatible API on this port")
     service.add_argument("--gradio-port", type=int, help="serve the Gradio chat on this port")
@@ -250,15 +286,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 a runtime failure (the engine died, a service child exited), 2 a usage
+    error (the message says what to change), 130 Ctrl-C. Tracebacks only with ``--debug`` or
+    ``NANOSTREAM_DEBUG=1``."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("NANOSTREAM_DEBUG", "") not in ("", "0")
     if args.command == "frontend" and args.name in ("--list", "-l", "--help", "-h"):
         args.list, args.name = args.name in ("--list", "-l"), None
     try:
         return args.func(args)
-    except (ValueError, TypeError, NanostreamError) as exc:  # bad options or input: say what to change, no traceback
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(file=sys.stderr)
+        return 130
+    except (EngineDeadError, RequestFailedError) as exc:  # what ran failed: nothing to change in the command
+        if debug:
+            raise
+        print(f"nanostream: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, NanostreamError) as exc:  # bad options or input: say what to change
+        if debug:
+            raise
         print(f"nanostream: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"nanostream: {type(exc).__name__}: {exc} (NANOSTREAM_DEBUG=1 or --debug shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     """Token budget of one engine step; longer prompts are prefilled in chunks."""
     max_model_len: int | None = None
-    """Longest prompt + output; defaults to (and is clamped to) the model's max_position_embeddings."""
+    """Longest prompt + output, in tokens; defaults to the model's max_position_embeddings, and may not exceed it."""
     kvcache_block_size: int = 256
     """Tokens per KV-cache block."""
     gpu_memory_utilization: float = 0.9
@@ -43,8 +43,9 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None
     """Exact number of KV blocks; overrides both memory settings."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes that earlier requests computed."""
     dtype: str = "auto"
-    """auto: bfloat16 on CUDA, float32 on CPU."""
+    """The weights' and activations' dtype; auto: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
     """auto: cuda when available, else cpu. Any torch device string ("cuda:1") is accepted."""
     attention_backend: str = "auto"
@@ -115,7 +116,12 @@ class EngineConfig:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        max_model_len = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({max_position_embeddings}); give at most {max_position_embeddings}, or leave it unset"
+            )
+        max_model_len = self.max_model_len or max_position_embeddings
         return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_model_len)
 
 

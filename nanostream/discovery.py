@@ -81,6 +81,24 @@ def discover() -> str:
     raise ValueError(f"{len(engines)} local engines are running, pick one with --engine ADDR: {listed}")
 
 
+def reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether something listens at an engine address (a connect, no hello): to say "no engine there"
+    in one line before a frontend starts, rather than fail later in its startup."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        family, target = socket.AF_UNIX, ("\0" + path[1:] if path.startswith("@") else path)
+    else:
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host.strip("[]"), int(port or 0))
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(target)
+        except OSError:
+            return False
+    return True
+
+
 def _alive(record: Record) -> bool:
     try:
         os.kill(record.pid, 0)

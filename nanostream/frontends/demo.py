@@ -208,6 +208,9 @@ def run_demo(args: argparse.Namespace) -> int:
     for name in ("prompts", "processes", "streams", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    from nanostream.sampling_params import SamplingParams
+
+    SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)  # a bad value: before any engine starts
     engine = None
     address = args.engine
     if address is None:

@@ -74,10 +74,19 @@ class OpenAIServer(Frontend):
         except ValueError as exc:
             print(f"nanostream frontend openai: {exc}", file=sys.stderr)
             return 2
-        if args.workers > 1:
-            from nanostream.frontends.openai_server.workers import serve_workers
+        from nanostream.discovery import reachable
+        from nanostream.frontends.openai_server.workers import listen, serve_workers
 
-            return serve_workers(args)
-        # Until Ctrl-C or SIGTERM; if no engine answers at startup, uvicorn logs why and exits with code 3.
-        uvicorn.run(app, host=args.host, port=args.port)
-        return 0
+        address = app.state.server.client.address
+        if not reachable(address):
+            print(f"nanostream frontend openai: no engine answers at {address}: start one with `nanostream serve`, "
+                  "or pass its --engine ADDR", file=sys.stderr)  # fmt: skip
+            return 1
+        sock = listen(args.host, args.port)
+        if sock is None:
+            return 2
+        if args.workers > 1:
+            return serve_workers(args, sock)
+        server = uvicorn.Server(uvicorn.Config(app))
+        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
+        return 0 if server.started else 1

@@ -10,6 +10,7 @@ them all; a worker that dies stops the others, and the command exits non-zero.
 from __future__ import annotations
 
 import argparse
+import errno
 import multiprocessing as mp
 import signal
 import socket
@@ -17,11 +18,19 @@ import sys
 import time
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket | None:
+    """The server's listening socket; None, after one line that says what to change, if it cannot be had."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        in_use = exc.errno == errno.EADDRINUSE
+        why = f"port {port} is in use: pass --port" if in_use else f"cannot listen on {host}:{port}"
+        print(f"nanostream frontend openai: {why} ({exc.strerror})", file=sys.stderr)
+        return None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -38,12 +47,7 @@ def _worker(sock: socket.socket, args: argparse.Namespace) -> None:
     sys.exit(0 if server.started else 3)  # 3: it never served (no engine answered), as uvicorn.run exits
 
 
-def serve_workers(args: argparse.Namespace) -> int:
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as exc:
-        print(f"nanostream frontend openai: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
-        return 2
+def serve_workers(args: argparse.Namespace, sock: socket.socket) -> int:
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_worker, args=(sock, args), name=f"openai-worker-{i}") for i in range(args.workers)]
     stopping = False
