@@ -63,7 +63,9 @@ def frontend_main(name: str, argv: list[str], prog: str | None = None) -> int:
     cls = load(name)
     parser = argparse.ArgumentParser(prog=prog or f"nanostream frontend {name}", description=cls.description)
     parser.add_argument(
-        "--engine", metavar="ADDR", help="the engine's address (default: $NANOSTREAM_ADDRESS, else the one engine `nanostream serve` runs here)"
+        "--engine",
+        metavar="ADDR",
+        help="the engine's address (default: $NANOSTREAM_ADDRESS, else the one engine `nanostream serve` runs here)",
     )
     cls.add_arguments(parser)
     return cls().run(parser.parse_args(argv))
