@@ -563,7 +563,7 @@ def test_event_loop(engine, llm, loop):
 
 
 def test_slow_consumer_does_not_hold_up_other_streams(engine, llm):
-    n, n_slow = 64, 400  # the slow stream is long enough that its first chunk comes before its end
+    n, n_slow = 64, 200  # the slow stream is long enough that its first chunk comes before its end
     prompts = [[50 + i, 51, 52, 53] for i in range(4)]  # prompts[0] is read slowly
     lengths = [n_slow] + [n] * 3
     refs = llm.generate(prompts, [greedy(max_tokens=k, ignore_eos=True) for k in lengths], use_tqdm=False)
