@@ -29,9 +29,10 @@ from typing import Annotated
 import msgspec
 
 from nanostream.errors import ProtocolError
-from nanostream.sampling_params import SamplingParams
+from nanostream.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from nanostream.structured_outputs import MAX_GRAMMAR_CHARS
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: structured outputs, logit bias, n and prompt logprobs in SamplingParams
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
 MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
 MAX_REQUEST_ID_CHARS = 256
@@ -42,8 +43,9 @@ RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
 
 def max_request_bytes(max_model_len: int) -> int:
     """The largest frame a client may send an engine of this context length: an Add of a full-length
-    prompt (msgpack spends at most 9 bytes on an id) with every stop string at its longest, and room."""
-    return 9 * max_model_len + 4 * 64 * 1024 + 64 * 1024
+    prompt (msgpack spends at most 9 bytes on an id) with every stop string, logit bias and grammar at
+    its longest, and room."""
+    return 9 * max_model_len + 4 * 64 * 1024 + 4 * MAX_GRAMMAR_CHARS + 32 * MAX_LOGIT_BIAS + 64 * 1024
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
@@ -122,11 +124,14 @@ class RequestDelta(msgspec.Struct, omit_defaults=True):
     error: str | None = None  # why, for "error" (and for an abort the engine decided)
     code: str | None = None  # for "error": "invalid" | "busy" | "timeout" | "internal"; "shutdown" for an abort
     usage: Usage | None = None
+    # Per prompt token (the first has none), when the request asked: on the request's first delta.
+    prompt_logprobs: list[dict[int, float] | None] = []
 
     def merge(self, later: RequestDelta) -> None:
         """Take ``later`` (of the same request) into this one: what a reader that falls behind sees."""
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
+        self.prompt_logprobs += later.prompt_logprobs
         self.usage = later.usage or self.usage
         if later.finish_reason is not None:
             self.finish_reason, self.error, self.code = later.finish_reason, later.error, later.code

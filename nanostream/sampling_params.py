@@ -8,7 +8,12 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from nanostream.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
@@ -30,7 +35,13 @@ class SamplingParams:
     the vocabulary size, keeps every token.
     ``max_tokens=None`` generates until the model's context (max_model_len) is full.
     ``logprobs=N`` returns the log-probability of each sampled token plus the N most likely ones,
-    computed from the model's raw logits (before penalties and temperature).
+    computed from the model's raw logits (before penalties and temperature); ``prompt_logprobs=N``
+    the same for each prompt token after the first (the prompt's cached blocks are recomputed for it).
+
+    ``n`` samples come from one prompt, seeded ``seed``, ``seed + 1``, ... when a seed is given; they
+    share the prompt's KV blocks (``LLM`` and ``AsyncClient`` send the n requests). ``logit_bias``
+    ({token id: bias in [-100, 100]}, kept as sorted pairs) is added to the logits before sampling.
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
     temperature: float = 1.0
@@ -52,6 +63,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    logit_bias: Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)] = field(default=())
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise the list-or-string fields so instances stay hashable and comparable.
@@ -114,15 +129,63 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        integer("n", 1, f"an integer in [1, {MAX_N}]")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
+        lp = self.prompt_logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if not isinstance(so, dict):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}")
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs (the grammar decides where the output "
+                "may end); leave min_tokens at 0"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
+    def constrained(self) -> bool:
+        """The output must match a grammar (``structured_outputs``)."""
+        return self.structured_outputs is not None
+
+    @property
     def has_penalties(self) -> bool:
         """Sampling reads the request's own earlier tokens (repetition, presence or frequency penalty)."""
         return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or (id, bias) pairs) as pairs sorted by id, each checked."""
+    if not bias:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to numbers, got the entry {pair!r}")
+        token, value = pair
+        if not _is_int(token) or not 0 <= token <= MAX_INT:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT
+        ):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _is_int(value: object) -> bool:
