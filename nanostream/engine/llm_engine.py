@@ -24,6 +24,7 @@ from transformers import AutoConfig
 from nanostream.config import EngineConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.grammar import GrammarCompiler, GrammarWaitlist, fill_token_bitmask
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import PENDING, Sequence
@@ -37,6 +38,8 @@ from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 0.01
+"""With nothing to compute but grammars compiling, a step waits this long for one (not a busy spin)."""
 MAX_FAILED_STEPS = 3
 """Steps in a row that may raise before ``step()`` gives up: past this the device or the engine is
 broken (a sticky CUDA error), not one request."""
@@ -113,6 +116,8 @@ class LLMEngine:
             max_model_len=config.max_model_len,
         )
         self._rng = random.Random(config.seed)
+        grammars = GrammarCompiler(config.tokenizer or self.model_path, self.vocab_size, self.eos_token_ids)
+        self.grammar_waitlist = GrammarWaitlist(grammars)  # constrained requests whose grammar compiles
         self._in_flight: tuple[list[ScheduledChunk], InFlight] | None = None  # the launched, unread step
         self._scheduled: list[ScheduledChunk] = []  # this step's chunks, until it is in flight
         self._deltas: list[RequestDelta] = []  # this step's output so far
@@ -145,7 +150,14 @@ class LLMEngine:
             self.workers.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes)."""
+        """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes).
+
+        A constrained request (``structured_outputs``) waits for its grammar, compiled off this thread; a
+        grammar that does not compile ends it with an "error" delta of code "invalid"."""
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n must be 1 in an engine request, got {params.n}: LLM and AsyncClient send one request per sample"
+            )
         prompt = list(prompt_token_ids)
         n = len(prompt)
         if n == 0:
@@ -178,19 +190,45 @@ class LLMEngine:
         bad_stop = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad_stop is not None:
             raise InvalidRequestError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad_bias}, outside the vocabulary [0, {self.vocab_size})"
+            )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
             request_id, prompt, params, max_tokens=max_tokens, sampling_seed=seed & (2**63 - 1), stop_token_ids=stop_ids
         )
-        try:
-            self.scheduler.add(seq)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+        if request_id in self.grammar_waitlist or request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None and not self.grammar_waitlist.add(seq):
+            return  # it joins the scheduler once its grammar is compiled (_admit_compiled)
+        self.scheduler.add(seq)
+
+    def _admit_compiled(self, wait: float) -> list[RequestDelta]:
+        """Move the requests whose grammar is ready into the scheduler; end those whose grammar failed."""
+        deltas = []
+        for seq, exc in self.grammar_waitlist.take_ready(wait):
+            if exc is None:
+                self.scheduler.add(seq)
+                continue
+            invalid = isinstance(exc, InvalidRequestError)
+            if not invalid:
+                log.error("compiling the grammar of request %s failed", seq.request_id, exc_info=exc)
+            error = str(exc) if invalid else f"internal error while compiling the grammar ({exc!r})"
+            code = "invalid" if invalid else "internal"
+            self._counters.finished["error"] += 1
+            deltas.append(
+                RequestDelta(seq.request_id, finish_reason="error", error=error, code=code, usage=_usage(seq))
+            )
+        return deltas
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestDelta | None:
         """Finish a request in any state, freeing its KV blocks now. Unknown or finished ids are ignored."""
         seq = self.scheduler.finish(request_id, reason)
+        if seq is None:
+            seq = self.grammar_waitlist.pop(request_id)
         if seq is None:
             return None
         self._counters.finished[reason] += 1
@@ -207,7 +245,7 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return len(self.scheduler) > 0
+        return len(self.scheduler) > 0 or len(self.grammar_waitlist) > 0
 
     def step(self) -> StepResult:
         """Launch one step and return what the previous one produced (read back while this one runs).
@@ -246,6 +284,9 @@ class LLMEngine:
 
     def _step(self) -> StepResult:
         deltas = self._deltas = []
+        if self.grammar_waitlist:  # constrained requests whose grammar is ready join the scheduler
+            idle = not self.scheduler.requests and self._in_flight is None
+            deltas += self._admit_compiled(GRAMMAR_WAIT_S if idle else 0.0)
         # 0. a request whose penalties read its own output needs every token's value before scheduling
         if self._in_flight is not None and self.scheduler.needs_token_values():
             deltas += self._finish_in_flight()
@@ -253,17 +294,34 @@ class LLMEngine:
         chunks = self._scheduled = self.scheduler.schedule()
         num_decode = sum(1 for c in chunks if c.num_new_tokens == 1 and c.start >= c.seq.num_prompt_tokens)
         num_prefill = sum(c.num_new_tokens for c in chunks) - num_decode
-        # 2. queue the model and the sampler on the device; inputs still in flight stay on the device
-        launched = None
+        # 2. queue the model and the sampler on the device; inputs still in flight stay on the device. A
+        # constrained row's mask needs the token the step in flight samples: its sampling waits for 4.
+        launched, deferred = None, False
         if chunks:
-            launched = self.runner.launch(chunks, self._in_flight[1] if self._in_flight else None)
+            if self.scheduler.num_constrained:
+                deferred = any(c.samples and c.seq.grammar is not None for c in chunks)
+            launched = self.runner.launch(
+                chunks, self._in_flight[1] if self._in_flight else None, defer_sampling=deferred
+            )
             self.scheduler.launched(chunks)
         # 3. read back the previous step's samples while this one runs; finish requests that stop
         if self._in_flight is not None:
             deltas += self._finish_in_flight()
         self._in_flight = (chunks, launched) if chunks else None
         self._scheduled = []
+        # 4. the grammars took those tokens: mask the constrained rows and queue the sampling
+        if deferred:
+            self._sample_constrained(launched)
         return StepResult(deltas, num_prefill, num_decode, len(chunks))
+
+    def _sample_constrained(self, step: InFlight) -> None:
+        """Sample a step launched with its sampling deferred, the masks of its live grammars applied."""
+        live = [(i, s.grammar) for i, s in enumerate(step.seqs) if s.grammar is not None and not s.is_finished]
+        if not live:  # every constrained row stopped on the previous token: its sample is dropped
+            self.runner.sample(step)
+            return
+        rows, grammars = zip(*live)
+        self.runner.sample(step, rows, fill_token_bitmask(list(grammars), pin=self.runner.device.type == "cuda"))
 
     def _finish_in_flight(self) -> list[RequestDelta]:
         chunks, launched = self._in_flight
@@ -275,8 +333,12 @@ class LLMEngine:
             if token.logprobs is not None:
                 seq.logprobs.append(token.logprobs)
             delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
+            if not seq.reported and seq.params.prompt_logprobs is not None:
+                delta.prompt_logprobs = seq.prompt_logprobs
             if not seq.reported or seq.finish_reason is not None:
                 delta.usage, seq.reported = _usage(seq), True  # on the first (prompt, cached tokens) and the last
+            if seq.finish_reason == "error":
+                delta.error, delta.code = seq.error, "internal"
             if seq.finish_reason is not None:
                 self._counters.finished[seq.finish_reason] += 1
             delta.finish_reason = seq.finish_reason

@@ -33,8 +33,9 @@ from nanostream.engine.kv_pool import (
     plan_num_kv_blocks,
     worst_step,
 )
-from nanostream.engine.sampler import SamplerOutput, sample
-from nanostream.engine.sampling_batch import SampledToken, make_sampling_batch, read_samples
+from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
+from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
+from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import Chunk, StepInputs, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
@@ -58,6 +59,10 @@ class InFlight:
     out: SamplerOutput | None  # on the device (the next step reads pending tokens from it); None: no samples
     host: SamplerOutput | None = None  # the same, being copied into pinned host memory
     copied: torch.cuda.Event | None = None  # recorded after those copies (CUDA only)
+    # Launched with sampling deferred (``sample()`` runs it): the logits [B, V] and their sampling batch.
+    logits: torch.Tensor | None = None
+    batch: SamplingBatch | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
 
 
 def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
@@ -138,25 +143,41 @@ class ModelRunner:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
         return pack_step(chunks, self.block_size, self.device, prev)
 
-    def launch(self, chunks: list[Chunk], prev: InFlight | None = None) -> InFlight:
+    def launch(self, chunks: list[Chunk], prev: InFlight | None = None, **options: bool) -> InFlight:
         """Queue the step on the device (inputs, model, sampling) without waiting for it; with workers,
-        tell them first (a failure while they run it raises ``EngineDeadError``)."""
+        tell them first (a failure while they run it raises ``EngineDeadError``). ``options``: those of
+        ``launch_local``."""
         if self.control is None:
-            return self.launch_local(chunks, prev)
+            return self.launch_local(chunks, prev, **options)
         with self.control.step(chunks):
-            return self.launch_local(chunks, prev)
+            return self.launch_local(chunks, prev, **options)
 
     @torch.inference_mode()
-    def launch_local(self, chunks: list[Chunk], prev: InFlight | None = None) -> InFlight:
-        """``launch`` on this rank alone: what a worker runs for each of rank 0's steps, and the warm-up."""
+    def launch_local(
+        self,
+        chunks: list[Chunk],
+        prev: InFlight | None = None,
+        *,
+        defer_sampling: bool = False,
+        with_prompt_logprobs: bool = False,
+    ) -> InFlight:
+        """``launch`` on this rank alone: what a worker runs for each of rank 0's steps, and the warm-up.
+
+        ``defer_sampling`` (rank 0): queue the model only; ``sample()`` queues the sampling later (once the
+        constrained rows' grammar masks are known). The sampling parameters are read now either way.
+        ``with_prompt_logprobs``: some request wants prompt logprobs (computed for the chunks of those
+        that do; refused with tensor parallelism, whose workers do not know of them)."""
         input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self._forward(input_ids, positions, meta)
+        prompt_logprobs = None
+        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+            prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits)
         seqs = [c.seq for c in chunks if c.samples]
         if not seqs:
-            return InFlight([], {}, None)
+            return InFlight([], {}, None, prompt_logprobs=prompt_logprobs)
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [B, V], the model's dtype; None on ranks > 0
@@ -164,10 +185,33 @@ class ModelRunner:
         if logits is None:  # a worker: rank 0 samples, and its samples come here for the next step's inputs
             token_ids = self.tp.broadcast(torch.empty(len(seqs), dtype=torch.int64, device=self.device))
             return InFlight(seqs, rows, SamplerOutput(token_ids, None, None, None))
-        out = sample(logits, make_sampling_batch(seqs, self.vocab_size, self.device))
+        batch = make_sampling_batch(seqs, self.vocab_size, self.device)
+        step = InFlight(seqs, rows, None, logits=logits, batch=batch, prompt_logprobs=prompt_logprobs)
+        if not defer_sampling:
+            self._sample(step)
+        return step
+
+    def sample(self, step: InFlight, mask_rows: list[int] = (), bitmask: torch.Tensor | None = None) -> None:
+        """Queue the sampling of a step launched with ``defer_sampling``; ``bitmask`` [len(mask_rows), W]
+        int32 (host) holds the grammar masks of rows ``mask_rows``. With workers (who wait for the samples'
+        broadcast) a failure is the engine's death."""
+        if bitmask is not None:
+            add_token_bitmask(step.batch, list(mask_rows), bitmask, self.device)
+        if self.control is None:
+            self._sample(step)
+            return
+        try:
+            self._sample(step)
+        except Exception as exc:
+            raise self.control.dead(exc) from exc
+
+    @torch.inference_mode()
+    def _sample(self, step: InFlight) -> None:
+        out = sample(step.logits, step.batch)
         if self.tp.size > 1:
             self.tp.broadcast(out.token_ids)
-        step = InFlight(seqs, rows, out, out)
+        step.out = step.host = out
+        step.logits = step.batch = None
         if self.device.type == "cuda":
             # Start the copy back now and wait for this event alone in collect(): a plain .tolist() would
             # also wait for the step launched after this one, and nothing would overlap.
@@ -175,10 +219,11 @@ class ModelRunner:
             step.host = SamplerOutput(*(None if t is None else _copy_to_host(t) for t in fields))
             step.copied = torch.cuda.Event()
             step.copied.record()
-        return step
 
     def collect(self, step: InFlight) -> dict[str, SampledToken]:
         """Wait for a launched step; its sampled token (and logprobs) per sequence that sampled."""
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.read()  # (a host synchronisation of its own: only for requests that ask)
         if step.host is None:
             return {}
         if step.copied is not None:

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: penalties, temperature, top-k / top-p / min-p, logprobs.
+"""Batched sampling on the device: grammar masks, logit bias, penalties, temperature, top-k / top-p /
+min-p, logprobs.
 
 Every row has a seed (the request's own, or one the engine drew for it). The random numbers of a
 row come from a counter-based hash of (seed, output position, token id), so a seeded request
@@ -91,6 +92,14 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [B, V] float32 count of each token in the output
     prompt_mask: torch.Tensor | None = None  # [B, V] bool, token occurs in the prompt
     banned: torch.Tensor | None = None  # [B, V] bool, tokens that may not be sampled (min_tokens)
+    # Grammar masks of the constrained rows (structured outputs), set once the grammars have seen the
+    # previous token: bit j of word w of a row allows token 32 * w + j.
+    mask_rows: torch.Tensor | None = None  # [C] int64, rows of the batch
+    token_bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32
+    # Logit bias as sparse (row, token, bias) triples, only when some row has one.
+    bias_rows: torch.Tensor | None = None  # [N] int64
+    bias_ids: torch.Tensor | None = None  # [N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
     max_logprobs: int = -1  # -1: no row asked for logprobs
 
 
@@ -111,6 +120,16 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - b.frequency_penalty[:, None] * b.output_counts
     return logits - b.presence_penalty[:, None] * (b.output_counts > 0).to(logits.dtype)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where a row's grammar forbids the token; rows not in ``rows`` are left as they are.
+
+    logits [B, V]; rows [C] int64; bitmask [C, W] int32 with W * 32 >= V (xgrammar's layout).
+    """
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[-1]].bool()  # [C, V]
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -141,11 +160,16 @@ def sample(logits: torch.Tensor, b: SamplingBatch, *, use_kernel: bool | None = 
     """
     kernel = use_kernel if use_kernel is not None else logits.is_cuda
     plain = b.banned is None and b.output_counts is None and not (b.needs_top_k_p or b.needs_min_p)
+    plain = plain and b.bias_rows is None
     if not (plain and b.max_logprobs < 0 and (kernel or b.all_greedy)):
         logits = logits.float()
     raw = logits
     if b.banned is not None:
         logits = logits.masked_fill(b.banned, float("-inf"))
+    if b.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, b.mask_rows, b.token_bitmask)
+    if b.bias_rows is not None:
+        logits = logits.index_put((b.bias_rows, b.bias_ids), b.bias_values, accumulate=True)
     logits = apply_penalties(logits, b)
     if b.all_greedy:
         token_ids = logits.argmax(-1)

@@ -55,7 +55,20 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.dev
     banned = [s.stop_token_ids if s.num_output_tokens < s.params.min_tokens else () for s in seqs]
     if any(banned):
         batch.banned = _token_rows([list(b) for b in banned], vocab, device) > 0
+    if any(x.logit_bias for x in p):
+        triples = [(i, t, v) for i, x in enumerate(p) for t, v in x.logit_bias]
+        rows, ids, values = zip(*triples)
+        batch.bias_rows, batch.bias_ids = to_device_packed(device, i64, list(rows), list(ids))
+        batch.bias_values = to_device(list(values), f32, device)
     return batch
+
+
+def add_token_bitmask(batch: SamplingBatch, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:
+    """Set the grammar masks of ``rows`` (bitmask [len(rows), W] int32, on the host) on ``batch``."""
+    if not rows:
+        return
+    batch.mask_rows = to_device(rows, torch.int64, device)
+    batch.token_bitmask = bitmask.to(device, non_blocking=True) if device.type == "cuda" else bitmask
 
 
 def _token_rows(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -56,6 +56,7 @@ class Scheduler:
         self.num_prefix_queries = 0  # prompt tokens of the requests admitted so far
         self.num_prefix_hits = 0  # of them, found in the prefix cache at first admission
         self.num_penalized = 0  # requests whose sampling reads their own output (penalties)
+        self.num_constrained = 0  # requests with a grammar (structured outputs)
         self.num_waiting_tokens = 0  # tokens of the waiting requests (their prompts, or all a preempted one has)
 
     def __len__(self) -> int:
@@ -68,6 +69,7 @@ class Scheduler:
         self.waiting.append(seq)
         self._enqueued(seq)
         self.num_penalized += seq.params.has_penalties
+        self.num_constrained += seq.grammar is not None
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
         """End a request in any state and free its blocks at once. Idempotent: unknown ids are ignored."""
@@ -75,6 +77,7 @@ class Scheduler:
         if seq is None:
             return None
         self.num_penalized -= seq.params.has_penalties
+        self.num_constrained -= seq.grammar is not None
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -108,7 +111,7 @@ class Scheduler:
         # 3. admissions.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq)
+            hits = [] if seq.wants_prompt_logprobs else self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate(seq, n, hits):
                 break
@@ -159,9 +162,13 @@ class Scheduler:
                 continue
             if chunk.samples:
                 index = chunk.start + chunk.num_new_tokens  # where launched() put the PENDING token
-                seq.token_ids[index] = sampled[seq.request_id]
+                token = seq.token_ids[index] = sampled[seq.request_id]
                 took.append(seq)
-                reason = seq.check_stop(self.max_model_len, index)
+                if seq.grammar is not None and not seq.grammar.accept(token):
+                    seq.error = f"the sampled token {token} breaks the request's grammar (structured outputs)"
+                    reason = "error"
+                else:
+                    reason = seq.check_stop(self.max_model_len, index)
                 if reason is not None:
                     del seq.token_ids[index + 1 :]  # a later step's PENDING token, if scheduled
                     self.finish(seq.request_id, reason)

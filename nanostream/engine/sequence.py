@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 from nanostream.sampling_params import SamplingParams
 
@@ -14,6 +15,14 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Grammar(Protocol):
+    """What the scheduler reads of a constrained request's grammar (engine/grammar.py's RequestGrammar)."""
+
+    def accept(self, token_id: int) -> bool: ...  # False: the grammar does not allow the token
+    @property
+    def terminated(self) -> bool: ...  # it took a stop token: the output is complete
 
 
 class Sequence:
@@ -52,6 +61,9 @@ class Sequence:
         self.reported = False  # the engine has returned a delta for it (the first carries usage)
         self.queued_tokens = 0  # what it adds to the scheduler's num_waiting_tokens while it waits
         self.stopping = False  # its pending token reaches max_tokens or max_model_len: not scheduled again
+        self.grammar: Grammar | None = None  # structured outputs: set before the scheduler sees it
+        self.error: str | None = None  # why, when it finished with "error"
+        self.prompt_logprobs: list[dict[int, float] | None] = []  # per prompt position computed so far
 
     def __repr__(self) -> str:
         return (
@@ -82,11 +94,19 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt position is not computed yet (so nothing of its
+        prompt may come from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
     def check_stop(self, max_model_len: int, index: int | None = None) -> str | None:
         """The finish reason once the token at ``index`` (default: the last) is known, or None."""
         index = self.num_tokens - 1 if index is None else index
         num_output = index + 1 - self.num_prompt_tokens
         if num_output >= self.params.min_tokens and self.token_ids[index] in self.stop_token_ids:
+            return "stop"
+        if self.grammar is not None and self.grammar.terminated:  # a stop token the grammar ends on (ignore_eos)
             return "stop"
         if num_output >= self.max_tokens or index + 1 >= max_model_len:
             return "length"

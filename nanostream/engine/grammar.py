@@ -1,0 +1,212 @@
+"""Structured outputs in the engine, with xgrammar: grammars compiled off the busy loop, one matcher
+per request, the masks of a step's constrained rows.
+
+    add_request ──▶ GrammarCompiler.submit(spec) ──▶ a worker thread: parse (a bad spec fails the future
+                    with InvalidRequestError), compile against the model's vocabulary; cached by spec
+    the request waits (not in the scheduler) until its future is done ──▶ RequestGrammar
+    each step ──▶ fill_token_bitmask(): one row per constrained sample, after the grammar took the
+                  previous token ──▶ the sampler masks those rows' logits (sampler.apply_token_bitmask)
+    each token ──▶ RequestGrammar.accept(token); ``terminated`` once it took a stop token
+
+xgrammar is imported on the first constrained request, so engines that never see one never load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanostream.engine.sequence import Sequence
+from nanostream.errors import InvalidRequestError
+from nanostream.structured_outputs import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 128
+"""Compiled grammars kept (least recently used dropped first): repeated schemas compile once."""
+
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[11:18:34] /project/cpp/x.cc:82: " on its messages
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON schema",
+    "regex": "regular expression",
+    "choice": "choice",
+    "grammar": "EBNF grammar",
+    "structural_tag": "structural tag",
+}
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as an EBNF string literal that matches exactly it."""
+    escaped = "".join(
+        "\\" + ch if ch in '"\\' else f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch for ch in text
+    )
+    return f'"{escaped}"'
+
+
+def parse(spec: StructuredOutputsParams) -> Any:
+    """The xgrammar ``Grammar`` of ``spec``; ``InvalidRequestError`` (saying what is wrong) if it has none."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = spec.json if kind == "json" else '{"type": "object"}'
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.grammar)
+        return xgr.Grammar.from_structural_tag(spec.structural_tag)
+    except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own JSON and tag errors
+        why = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+        raise InvalidRequestError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {why}") from None
+
+
+class GrammarCompiler:
+    """Compiles specs for one model's vocabulary in a worker thread; a spec compiles once while cached.
+
+    The tokenizer and xgrammar's vocabulary tables are built on the worker, on the first submit.
+    ``vocab_size`` is the model's (its logits' width), which may exceed the tokenizer's.
+    """
+
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._cache: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiler: Any = None  # xgrammar's GrammarCompiler, built by the worker
+        self._lock = threading.Lock()
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar (done at once when cached); it fails with InvalidRequestError."""
+        future = self._cache.get(spec)
+        if future is not None:
+            self._cache.move_to_end(spec)
+            return future
+        if self._executor is None:
+            # One worker: xgrammar spreads a compilation over its own threads.
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="nanostream-grammar")
+        future = self._executor.submit(self._compile, spec)
+        self._cache[spec] = future
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        grammar = parse(spec)
+        return self._xgrammar_compiler().compile_grammar(grammar)
+
+    def _xgrammar_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer,
+                    vocab_size=max(self.vocab_size, len(tokenizer)),
+                    stop_token_ids=sorted(self.eos_token_ids) or None,
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
+                log.info(
+                    "structured outputs: xgrammar ready for %s (vocabulary %d)", self.tokenizer_path, info.vocab_size
+                )
+            return self._compiler
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarWaitlist:
+    """Constrained requests whose grammar is still compiling, in arrival order (the scheduler never
+    sees them until it is ready). ``stop``: a request's stop tokens, else the model's EOS, end its grammar."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._waiting: dict[str, tuple[Sequence, Future]] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def add(self, seq: Sequence) -> bool:
+        """True if the grammar is ready now (a cached one): ``seq.grammar`` is set. Raises the
+        InvalidRequestError of a spec that failed before; otherwise ``seq`` waits here."""
+        future = self.compiler.submit(seq.params.structured_outputs)
+        if future.done():
+            self._attach(seq, future.result())  # raises what the compilation raised
+            return True
+        self._waiting[seq.request_id] = (seq, future)
+        return False
+
+    def pop(self, request_id: str) -> Sequence | None:
+        entry = self._waiting.pop(request_id, None)
+        return entry[0] if entry else None
+
+    def take_ready(self, wait: float = 0.0) -> list[tuple[Sequence, Exception | None]]:
+        """The requests whose compilation ended (waiting up to ``wait`` seconds for one), each with
+        ``seq.grammar`` set, or with the exception it failed with."""
+        if wait > 0:
+            futures.wait([f for _, f in self._waiting.values()], wait, futures.FIRST_COMPLETED)
+        done = []
+        for rid, (seq, future) in list(self._waiting.items()):
+            if future.done():
+                del self._waiting[rid]
+                try:
+                    self._attach(seq, future.result())
+                except Exception as exc:
+                    done.append((seq, exc))
+                else:
+                    done.append((seq, None))
+        return done
+
+    def _attach(self, seq: Sequence, compiled: Any) -> None:
+        seq.grammar = RequestGrammar(compiled, seq.stop_token_ids or self.compiler.eos_token_ids)
+
+
+class RequestGrammar:
+    """One request's matcher. ``stop_token_ids``: what ends the output once the grammar is complete (the
+    request's stop tokens, else the model's EOS); taking one terminates the grammar."""
+
+    def __init__(self, compiled: Any, stop_token_ids: frozenset[int]) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
+        self.vocab_size = compiled.tokenizer_info.vocab_size  # the masks' width, >= the model's
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it (the matcher is unchanged)."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def fill_token_bitmask(grammars: list[RequestGrammar], pin: bool) -> torch.Tensor:
+    """[len(grammars), ceil(V / 32)] int32 masks of the next token, on the host (pinned: ``pin``); V is
+    the vocabulary the grammars were compiled for (all the same)."""
+    bitmask = torch.empty(len(grammars), -(-grammars[0].vocab_size // 32), dtype=torch.int32, pin_memory=pin)
+    for row, grammar in enumerate(grammars):
+        grammar.fill(bitmask, row)
+    return bitmask
