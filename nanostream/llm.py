@@ -10,11 +10,15 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from nanostream.client.chat_template import render_chat
 from nanostream.client.output_processor import OutputProcessor
+from nanostream.client.reasoning import get_reasoning_parser
+from nanostream.client.samples import sample_params, sample_request_id
 from nanostream.config import EngineConfig
+from nanostream.engine.grammar import parse as parse_grammar
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.errors import InvalidRequestError
-from nanostream.outputs import RequestOutput
+from nanostream.outputs import CompletionOutput, RequestOutput
 from nanostream.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -64,8 +68,18 @@ class LLM:
 
         Every prompt is checked before any runs: a bad one raises ``InvalidRequestError`` (a
         ``ValueError``) and the engine is left as it was. If a step fails (an internal error),
-        ``RequestFailedError`` is raised and nothing is left running.
+        ``RequestFailedError`` is raised and nothing is left running. With ``n`` > 1 in the
+        SamplingParams, each output's ``outputs`` holds the n samples.
         """
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None,
+        use_tqdm: bool,
+        reasoning_parser: str | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (
             isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -91,44 +105,74 @@ class LLM:
                     f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
                 )
             requests.append((f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, p))
-        # Validate everything first, then add: a bad prompt leaves the engine untouched.
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)  # raises ValueError for an unknown name
+        for spec in {p.structured_outputs for _, _, _, p in requests if p.structured_outputs is not None}:
+            parse_grammar(spec)  # InvalidRequestError now, rather than after others have run
+        # Validate everything first, then add: a bad prompt leaves the engine untouched. Of n > 1 samples
+        # the first goes now, the others once it has a token (client/samples.py).
         added = []
         try:
             for rid, _, ids, p in requests:
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, sample_params(p)[0])
                 added.append(rid)
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
             raise
-        return self._run(requests, use_tqdm)
+        return self._run(requests, use_tqdm, reasoning_parser)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, with the tokenizer's chat template.
+
+        ``tools`` (OpenAI's function definitions) and ``chat_template_kwargs`` (the template's own
+        options, e.g. ``{"enable_thinking": False}`` for Qwen3) go to the template. ``reasoning_parser``
+        (``"qwen3"``) splits each output's ``<think>`` reasoning into ``reasoning_content``. Example::
+
+            llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+        prompt_ids = [
+            render_chat(
+                self.tokenizer,
+                c,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+                require_template=True,
+            )
             for c in conversations
         ]
-        prompt_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate(prompt_ids, sampling_params, use_tqdm)
+        return self._generate(prompt_ids, sampling_params, use_tqdm, reasoning_parser)
 
-    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list, use_tqdm: bool, reasoning_parser: str | None) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
-        procs: dict[str, OutputProcessor] = {}
+        procs: dict[str, OutputProcessor] = {}  # by engine request id: one per sample
+        samples: dict[str, tuple[str, CompletionOutput]] = {}  # engine request id -> (request id, its output)
+        later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}  # a first sample's id -> the others
         for rid, text, ids, p in requests:
             outputs[rid] = RequestOutput(rid, text, ids, logprobs=[] if p.logprobs is not None else None)
-            procs[rid] = OutputProcessor(self.tokenizer, ids, p, incremental=False)
-        pending = set(outputs)
-        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+            for i, sp in enumerate(sample_params(p)):
+                sid = sample_request_id(rid, i)
+                procs[sid] = OutputProcessor(
+                    self.tokenizer, ids, sp, incremental=False, reasoning_parser=reasoning_parser, index=i
+                )
+                samples[sid] = rid, CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
+                outputs[rid].outputs.append(samples[sid][1])
+                if i:
+                    later.setdefault(rid, []).append((sid, ids, sp))
+        pending = {rid for rid, *_ in requests}  # engine request ids in the engine, unfinished
+        bar = tqdm(total=len(samples), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
         try:
@@ -137,6 +181,9 @@ class LLM:
                 prefill_tokens += result.num_prefill_tokens
                 decode_tokens += result.num_decode_tokens
                 for delta in result.deltas:
+                    for sid, ids, sp in later.pop(delta.request_id, ()):  # its prompt's blocks are cached now
+                        self.engine.add_request(sid, ids, sp)
+                        pending.add(sid)
                     proc = procs[delta.request_id]
                     proc.put(delta)
                     if proc.detok is None and delta.finish_reason is None:
@@ -146,14 +193,19 @@ class LLM:
                         self.engine.abort(delta.request_id, "stop")
                     if chunk is None:
                         continue
-                    out = outputs[delta.request_id]
+                    rid, out = samples[delta.request_id]
                     out.token_ids += chunk.token_ids
                     out.text += chunk.text
+                    if chunk.reasoning_content:
+                        out.reasoning_content = (out.reasoning_content or "") + chunk.reasoning_content
                     if out.logprobs is not None:
                         out.logprobs += chunk.logprobs
+                    if chunk.prompt_logprobs is not None:
+                        outputs[rid].prompt_logprobs = chunk.prompt_logprobs
                     if chunk.finish_reason is not None:
                         out.finish_reason, out.stop_reason = chunk.finish_reason, proc.stop_reason
-                        out.num_cached_tokens = chunk.usage.cached_tokens
+                        if out.index == 0:
+                            outputs[rid].num_cached_tokens = chunk.usage.cached_tokens
                         pending.discard(delta.request_id)
                         bar.update(1)
                 elapsed = time.perf_counter() - start
@@ -164,4 +216,12 @@ class LLM:
             bar.close()
             for rid in pending:  # interrupted (Ctrl-C, an error): leave nothing running in the engine
                 self.engine.abort(rid)
+        for out in outputs.values():  # the top-level fields are the first sample's
+            first = out.outputs[0]
+            out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
+            out.stop_reason, out.logprobs, out.reasoning_content = (
+                first.stop_reason,
+                first.logprobs,
+                first.reasoning_content,
+            )
         return [outputs[rid] for rid, *_ in requests]

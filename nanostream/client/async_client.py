@@ -22,7 +22,9 @@ from typing import Any
 import anyio
 
 from nanostream import protocol as p
+from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
+from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
 from nanostream.errors import ConnectionLostError, EngineDeadError
 from nanostream.outputs import Completion
@@ -98,30 +100,46 @@ class AsyncClient(Connection):
 
         ``sampling_kwargs`` are SamplingParams fields (``max_tokens=64, temperature=0``), applied over
         ``sampling_params`` when both are given. ``timeout`` (seconds) bounds the whole request: the
-        engine aborts it then and the stream raises ``RequestTimeoutError``.
+        engine aborts it then and the stream raises ``RequestTimeoutError``. With ``n=3`` the three
+        samples' chunks interleave, each with its ``index``.
         """
         self._check_reachable()
         return Stream(self, self._prompt_ids(prompt), self._params(sampling_params, sampling_kwargs), timeout)
 
     def chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         sampling_params: SamplingParams | None = None,
         *,
         timeout: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
+        add_generation_prompt: bool = True,
         **sampling_kwargs: Any,
     ) -> Stream:
         """Stream a reply to ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
 
-        A model without a chat template gets a plain "role: content" transcript ending in "assistant:".
+        ``tools`` (OpenAI's function definitions) and ``chat_template_kwargs`` (the template's own
+        options) go to the template, with the messages as given (an assistant's ``tool_calls``, ``tool``
+        messages). ``reasoning_parser`` ("qwen3") puts the ``<think>`` part of the reply in each chunk's
+        ``reasoning_content`` and the rest in ``text``. A model without a chat template gets a plain
+        "role: content" transcript ending in "assistant:". Example::
+
+            client.chat(msgs, chat_template_kwargs={"enable_thinking": False}, reasoning_parser="qwen3")
         """
         self._check_reachable()
-        if self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return Stream(self, ids, self._params(sampling_params, sampling_kwargs), timeout)
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)  # an unknown name: ValueError now
+        ids = render_chat(
+            self.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        params = self._params(sampling_params, sampling_kwargs)
+        return Stream(self, ids, params, timeout, reasoning_parser=reasoning_parser)
 
     async def generate(
         self,
@@ -131,7 +149,7 @@ class AsyncClient(Connection):
         timeout: float | None = None,
         **sampling_kwargs: Any,
     ) -> Completion:
-        """The whole completion of ``prompt``."""
+        """The whole completion of ``prompt``; with ``n`` > 1 its ``outputs`` hold every sample."""
         async with self.stream(prompt, sampling_params, timeout=timeout, **sampling_kwargs) as stream:
             chunks = [chunk async for chunk in stream]
         return Completion.of(stream.request_id, chunks, logprobs=stream.params.logprobs is not None)

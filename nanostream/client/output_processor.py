@@ -6,6 +6,7 @@
 
 No torch, no I/O: the caller feeds deltas (from ``LLMEngine.step()`` or the client's socket) and acts
 on ``abort`` (a stop string ended the output before the engine did: tell the engine to stop).
+With a reasoning parser the final text is split into reasoning and content last of all.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output
+from nanostream.client.reasoning import ReasoningParser, get_reasoning_parser
 from nanostream.errors import REQUEST_ERRORS, EngineDeadError, InvalidRequestError
 from nanostream.outputs import StreamChunk
 from nanostream.protocol import RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
+
+_PROMPT_TAIL_TOKENS = 16  # decoded for a reasoning parser: has the prompt opened the reasoning already?
 
 
 class OutputProcessor:
@@ -25,9 +29,21 @@ class OutputProcessor:
     GPU decode step."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, *, incremental: bool = True
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        incremental: bool = True,
+        reasoning_parser: str | None = None,
+        index: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.index = index  # which sample of its request (n > 1)
+        self.reasoning: ReasoningParser | None = None
+        if reasoning_parser is not None:
+            tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            self.reasoning = get_reasoning_parser(reasoning_parser)(tail)
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.detok = (
@@ -65,6 +81,7 @@ class OutputProcessor:
         if delta is None or self.finish_reason is not None:
             return None
         self.usage = delta.usage or self.usage
+        prompt_logprobs = delta.prompt_logprobs if self.params.prompt_logprobs is not None else None
         finish = delta.finish_reason
         if finish == "error" or (finish == "abort" and delta.error):
             # The engine ended the request for a reason of its own: raise it as its type.
@@ -84,7 +101,7 @@ class OutputProcessor:
         self.token_ids += ids
         lps = logprobs if self.params.logprobs is not None else None
         if finish is None:
-            return StreamChunk(text, ids, None, None, lps) if ids else None
+            return self._chunk(text, ids, None, None, lps, prompt_logprobs, False) if ids else None
         self.finish_reason = finish
         if self.detok is not None:
             text += self.detok.finish()
@@ -99,4 +116,13 @@ class OutputProcessor:
             self.stop_reason = self.token_ids[-1]  # EOS or one of stop_token_ids
         usage = self.usage or Usage(len(self.prompt_token_ids), 0)
         self.usage = Usage(usage.prompt_tokens, len(self.token_ids), usage.cached_tokens)
-        return StreamChunk(text, ids, finish, self.usage, lps)
+        return self._chunk(text, ids, finish, self.usage, lps, prompt_logprobs, True)
+
+    def _chunk(self, text: str, ids: list[int], finish, usage, logprobs, prompt_logprobs, last: bool) -> StreamChunk:
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if last:
+                more_reasoning, more_text = self.reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        return StreamChunk(text, ids, finish, usage, logprobs, self.index, reasoning, prompt_logprobs or None)

@@ -1,42 +1,120 @@
 """One request's output stream: the async iterator that drains the request's mailbox (which the
-connection's reader fills) through its ``OutputProcessor``."""
+connection's reader fills) through its ``OutputProcessor``.
+
+With ``n`` > 1 (or several prompts) one stream carries several engine requests, one per sample,
+each with its own processor: their chunks interleave, each with its ``index``. A prompt's first
+sample is sent at once and its other samples after its first chunk (client/samples.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Sequence
+
+import anyio
 
 from nanostream.client.connection import Connection, _Mailbox
 from nanostream.client.output_processor import OutputProcessor
+from nanostream.client.samples import sample_params, sample_request_id
 from nanostream.outputs import Completion, StreamChunk
+from nanostream.protocol import RequestDelta
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["Completion", "Stream", "StreamChunk"]
+
+
+class _Sample:
+    """One engine request of a stream: sample ``index`` of its prompt."""
+
+    __slots__ = ("followers", "params", "processor", "prompt", "request_id", "sent")
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, processor: OutputProcessor) -> None:
+        self.request_id, self.prompt, self.params, self.processor = request_id, prompt, params, processor
+        self.sent = False
+        self.followers: list[_Sample] = []  # the prompt's other samples, sent after this one's first chunk
+
+
+class _SamplesMailbox:
+    """A mailbox (connection.py's ``_Mailbox`` shape) for several requests: each delta goes to its
+    request's processor, and one event wakes the stream."""
+
+    def __init__(self, processors: dict[str, OutputProcessor]) -> None:
+        self.processors = processors
+        self.failure: BaseException | None = None
+        self.produced: float | None = None  # the engine's clock when the newest delta's step ended
+        self._event = anyio.Event()
+
+    def put(self, delta: RequestDelta, produced: float | None = None) -> None:
+        self.processors[delta.request_id].put(delta)
+        self.produced = produced if produced is not None else self.produced
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not all(p.ends_pending for p in self.processors.values()):
+            self.failure = exc
+            self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
+        if self.failure is not None:
+            raise self.failure
 
 
 class Stream:
     """One request's output as an async iterator of ``StreamChunk``; also an async context manager.
 
     The request is sent on the first ``__anext__`` (or on entering ``async with``). Leaving early
-    (break, cancellation, ``aclose()``) aborts it in the engine.
+    (break, cancellation, ``aclose()``) aborts it in the engine. ``extra_prompts`` are completed with
+    the same parameters in the same stream: sample j of prompt p has index ``p * n + j``.
     """
 
     def __init__(
-        self, client: Connection, prompt_token_ids: list[int], params: SamplingParams, timeout: float | None = None
+        self,
+        client: Connection,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        timeout: float | None = None,
+        *,
+        reasoning_parser: str | None = None,
+        extra_prompts: Sequence[list[int]] = (),
     ) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self.client = client
         self.request_id = uuid.uuid4().hex
         self.prompt_token_ids = prompt_token_ids
+        self.prompts = [prompt_token_ids, *extra_prompts]
         self.params = params
         self.timeout = timeout
-        self._mailbox: _Mailbox | None = None
+        self._mailbox: _Mailbox | _SamplesMailbox | None = None
         self._done = False
         # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
         # engine's host is this process's too (time.monotonic() - stream.produced: the delivery latency).
         self.produced: float | None = None
-        self._processor = OutputProcessor(client.tokenizer, prompt_token_ids, params)
+        self._samples: list[_Sample] = []
+        self._leaders: list[_Sample] = []  # each prompt's first sample, sent at the start
+        per_prompt = sample_params(params)
+        for p, prompt in enumerate(self.prompts):
+            first = None
+            for j, sp in enumerate(per_prompt):
+                index = p * len(per_prompt) + j
+                proc = OutputProcessor(client.tokenizer, prompt, sp, reasoning_parser=reasoning_parser, index=index)
+                sample = _Sample(sample_request_id(self.request_id, index), prompt, sp, proc)
+                self._samples.append(sample)
+                if first is None:
+                    first = sample
+                    self._leaders.append(sample)
+                else:
+                    first.followers.append(sample)
+        self._open = list(self._samples)  # samples that have not finished
+        self._turn = 0  # where the next scan for a chunk starts: no sample starves the others
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt tokens of the request (each prompt counted once, whatever n is)."""
+        return sum(map(len, self.prompts))
 
     async def __aenter__(self) -> Stream:
         await self._start()
@@ -53,13 +131,19 @@ class Stream:
     async def _start(self) -> None:
         if self._mailbox is None:
             try:
-                self._mailbox = _Mailbox(self._processor)
-                await self.client._submit(
-                    self._mailbox, self.request_id, self.prompt_token_ids, self.params, self.timeout
-                )
+                if len(self._samples) == 1:
+                    self._mailbox = _Mailbox(self._samples[0].processor)
+                else:
+                    self._mailbox = _SamplesMailbox({s.request_id: s.processor for s in self._samples})
+                for sample in self._leaders:
+                    await self._send(sample)
             except BaseException:
-                self._done = True
+                self._close_now()
                 raise
+
+    async def _send(self, sample: _Sample) -> None:
+        await self.client._submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
+        sample.sent = True
 
     async def __anext__(self) -> StreamChunk:
         if self._done:
@@ -67,27 +151,44 @@ class Stream:
         await self._start()
         try:
             while True:
+                chunk = await self._take()
+                if chunk is not None:
+                    self.produced = self._mailbox.produced
+                    return chunk
                 await self._mailbox.wait()
-                chunk = self._processor.take()
-                self.produced = self._mailbox.produced
-                if self._processor.abort:  # a stop string: tell the engine to stop now
-                    self._processor.abort = False
-                    self.client._abort(self.request_id)
-                if chunk is None:
-                    continue
-                if chunk.finish_reason is not None:
-                    self._done = True
-                    self.client._forget(self.request_id)
-                return chunk
         except BaseException:
             self._close_now()
             raise
 
+    async def _take(self) -> StreamChunk | None:
+        """The next chunk of any sample that has one, or None."""
+        open_ = self._open
+        for k in range(len(open_)):
+            sample = open_[(self._turn + k) % len(open_)]
+            proc = sample.processor
+            chunk = proc.take()
+            if proc.abort:  # a stop string: tell the engine to stop now
+                proc.abort = False
+                self.client._abort(sample.request_id)
+            if chunk is None:
+                continue
+            self._turn = (self._turn + k + 1) % len(open_)
+            for follower in sample.followers:  # the prompt's blocks are cached now: its other samples go
+                await self._send(follower)
+            sample.followers = []
+            if chunk.finish_reason is not None:
+                open_.remove(sample)
+                self.client._forget(sample.request_id)
+                self._done = not open_
+            return chunk
+        return None
+
     def _close_now(self) -> None:
         if not self._done:
             self._done = True
-            if self._mailbox is not None:
-                self.client._abort(self.request_id)
+            for sample in self._open:
+                if sample.sent:
+                    self.client._abort(sample.request_id)
 
     async def aclose(self) -> None:
         """Stop the stream; the engine aborts the request (nothing happens if it already finished)."""
