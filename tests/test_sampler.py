@@ -432,3 +432,57 @@ def test_greedy_sampling_params_sample_the_argmax(params):
     logits = random_logits(40, 500, seed=11, scale=0.3)
     rows = [row_of(params, seed=i, step=i) for i in range(40)]
     assert torch.equal(sample(logits, make_batch(rows, 500)).token_ids, logits.argmax(-1))
+
+
+# -- grammar masks and logit bias ----------------------------------------------------------------------------------
+
+
+def packed(allowed: list[list[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's bitmask layout: bit j of int32 word w allows token 32 * w + j."""
+    words = torch.zeros(len(allowed), -(-vocab // 32), dtype=torch.int64)
+    for r, ids in enumerate(allowed):
+        for t in ids:
+            words[r, t // 32] |= 1 << (t % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign bit
+
+
+def test_grammar_masks_restrict_only_their_rows():
+    v, n = 70, 600  # three words a row; tokens 31, 32 and 63 sit on word edges and the sign bit
+    allowed = [31, 32, 63, 69]
+    logits = random_logits(n, v, seed=4)
+    rows = [{"temperature": 1.2, "seed": i, "step": i % 5} for i in range(n)]
+    rows[0] = {"temperature": 0.0}
+    b = make_batch(rows, v)
+    masked = list(range(0, n, 2))  # every other row is constrained
+    b.mask_rows, b.token_bitmask = torch.tensor(masked), packed([allowed] * len(masked), v)
+    ids = sample(logits, b).token_ids.tolist()
+    assert set(ids[0::2]) == set(allowed)
+    assert ids[0] == max(allowed, key=lambda t: logits[0, t].item())  # greedy: the best allowed token
+    free = make_batch(rows, v)
+    assert ids[1::2] == sample(logits, free).token_ids.tolist()[1::2]  # the other rows draw what they drew
+
+
+def test_grammar_masks_apply_before_top_k_and_logprobs_stay_raw():
+    v = 40
+    logits = random_logits(2, v, seed=5)
+    b = make_batch([{"temperature": 1.0, "top_k": 1, "seed": 1}] * 2, v, max_logprobs=2)
+    b.mask_rows, b.token_bitmask = torch.tensor([1]), packed([[7]], v)
+    out = sample(logits, b)
+    assert out.token_ids.tolist() == [logits[0].argmax().item(), 7]
+    assert out.logprobs[1].item() == pytest.approx(logits[1].log_softmax(-1)[7].item(), abs=1e-6)
+
+
+def test_logit_bias_adds_to_the_logits_of_its_rows():
+    v = 16
+    logits = torch.zeros(3, v)
+    b = make_batch([{"temperature": 0.0}] * 3, v)
+    b.bias_rows, b.bias_ids, b.bias_values = (
+        torch.tensor([0, 1, 1]),
+        torch.tensor([9, 4, 5]),
+        torch.tensor([5.0, -1.0, 2.0]),
+    )
+    assert sample(logits, b).token_ids.tolist() == [9, 5, 0]
+    lp = make_batch([{"temperature": 0.0}], v, max_logprobs=1)
+    lp.bias_rows, lp.bias_ids, lp.bias_values = torch.tensor([0]), torch.tensor([3]), torch.tensor([100.0])
+    out = sample(logits[:1], lp)
+    assert out.token_ids.tolist() == [3] and out.logprobs.item() == pytest.approx(-math.log(v))  # raw logprobs

@@ -13,6 +13,7 @@ xgrammar is imported on the first constrained request, so engines that never see
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -53,6 +54,41 @@ def _ebnf_literal(text: str) -> str:
     return f'"{escaped}"'
 
 
+# xgrammar 0.2.9 lets a length-limited JSON string hold raw control characters, which JSON forbids (and
+# json.loads refuses): such strings' character class is narrowed to what JSON allows.
+_LAX_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
+
+
+def _json_grammar(schema: str | dict, any_whitespace: bool) -> Any:
+    import xgrammar as xgr
+
+    text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+    ebnf = str(grammar)
+    return (
+        xgr.Grammar.from_ebnf(ebnf.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
+        if _LAX_STRING_CHAR in ebnf
+        else grammar
+    )
+
+
+def _compact_tag(node: Any) -> Any:
+    """A structural tag whose JSON-schema parts are compact JSON grammars (xgrammar's own conversion
+    there allows any whitespace)."""
+    if isinstance(node, list):
+        return [_compact_tag(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if (
+        node.get("type") == "json_schema"
+        and set(node) <= {"type", "json_schema", "style"}
+        and node.get("style", "json") == "json"
+    ):
+        return {"type": "grammar", "grammar": str(_json_grammar(node["json_schema"], any_whitespace=False))}
+    return {k: _compact_tag(v) for k, v in node.items()}
+
+
 def parse(spec: StructuredOutputsParams) -> Any:
     """The xgrammar ``Grammar`` of ``spec``; ``InvalidRequestError`` (saying what is wrong) if it has none."""
     import xgrammar as xgr
@@ -60,15 +96,15 @@ def parse(spec: StructuredOutputsParams) -> Any:
     kind = spec.kind
     try:
         if kind in ("json", "json_object"):
-            schema = spec.json if kind == "json" else '{"type": "object"}'
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace)
+            return _json_grammar(spec.json if kind == "json" else '{"type": "object"}', spec.any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.grammar)
-        return xgr.Grammar.from_structural_tag(spec.structural_tag)
+        tag = json.loads(spec.structural_tag)
+        return xgr.Grammar.from_structural_tag(json.dumps(tag if spec.any_whitespace else _compact_tag(tag)))
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own JSON and tag errors
         why = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
         raise InvalidRequestError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {why}") from None

@@ -1,0 +1,142 @@
+"""The offline API's request options beyond plain sampling: n samples sharing the prompt's KV blocks, prompt
+logprobs, logit bias, tools and template options in chat, reasoning split from the answer."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nanostream import LLM, InvalidRequestError, SamplingParams
+from nanostream.client.samples import sample_params
+from nanostream.structured_outputs import StructuredOutputsParams as SO
+
+PROMPT = list(range(10, 80))  # 70 tokens: four full blocks of 16 and a partial one
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    return LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16)
+
+
+def peak_blocks(llm, run):
+    """The most KV blocks in use at once while ``run()`` generates."""
+    bm, step, peak = llm.engine.block_manager, llm.engine.step, [0]
+
+    def counting():
+        result = step()
+        peak[0] = max(peak[0], bm.num_blocks - bm.num_free_blocks)
+        return result
+
+    llm.engine.step = counting
+    try:
+        return run(), peak[0]
+    finally:
+        del llm.engine.step
+
+
+def test_n_samples_are_reproducible_by_seed_and_share_the_prompt_blocks(llm):
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=20, ignore_eos=True)
+    _, one_peak = peak_blocks(llm, lambda: llm.generate([PROMPT[::-1]], replace(params, n=1), use_tqdm=False))
+    out, peak = peak_blocks(llm, lambda: llm.generate([PROMPT], params, use_tqdm=False)[0])
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    for i, sample in enumerate(out.outputs):  # sample i is the n = 1 request seeded seed + i
+        alone = llm.generate(
+            [PROMPT], SamplingParams(temperature=1.0, seed=5 + i, max_tokens=20, ignore_eos=True), use_tqdm=False
+        )
+        assert sample.token_ids == alone[0].token_ids and sample.finish_reason == "length"
+    assert (out.text, out.token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
+    assert peak < 3 * one_peak  # 4 shared prompt blocks + 3 x 2 of their own = 10, not 18
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_n_without_a_seed_gives_distinct_samples_and_n_1_is_unchanged(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=4, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 4
+    assert sample_params(SamplingParams(seed=3)) == [SamplingParams(seed=3)]
+    assert [p.seed for p in sample_params(SamplingParams(n=3, seed=2**64 - 2))] == [2**64 - 2, 2**64 - 1, 0]
+    with pytest.raises(InvalidRequestError, match="n must be 1 in an engine request"):
+        llm.engine.add_request("x", PROMPT, SamplingParams(n=2))
+
+
+def test_prompt_logprobs_match_hf_with_chunked_prefill_and_cached_prefixes(qwen3_dir, hf_model_cache):
+    llm = LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16, max_num_batched_tokens=24, max_num_seqs=4)
+    llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)  # the prompt's blocks are cached now
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    out = llm.generate([PROMPT, PROMPT[:1]], params, use_tqdm=False)
+    with torch.no_grad():
+        ref = hf_model_cache(qwen3_dir)(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
+    lps = out[0].prompt_logprobs
+    assert len(lps) == len(PROMPT) and lps[0] is None
+    for i in range(1, len(PROMPT)):
+        token = PROMPT[i]
+        assert set(lps[i]) == {token, *ref[i - 1].topk(2).indices.tolist()}
+        assert lps[i][token] == pytest.approx(ref[i - 1, token].item(), abs=1e-4)
+    assert out[1].prompt_logprobs == [None]
+    assert (
+        out[0].token_ids
+        == llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
+    )
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids
+    forced = llm.generate([PROMPT], replace(greedy, logit_bias={123: 100}), use_tqdm=False)
+    assert forced[0].token_ids == [123] * 6
+    banned = llm.generate([PROMPT], replace(greedy, logit_bias={plain[0]: -100}), use_tqdm=False)
+    assert banned[0].token_ids[0] != plain[0]
+    with pytest.raises(InvalidRequestError, match=r"logit_bias names token id 99999, outside the vocabulary"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={99999: 1}), use_tqdm=False)
+    for bad, match in [({1: 101}, r"in \[-100, 100\]"), ({-1: 1}, "non-negative"), ({"a": 1}, "token ids")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logit_bias=bad)
+
+
+def test_chat_renders_tools_history_and_template_options_as_the_template_does(llm):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat(history, greedy, use_tqdm=False, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})[0]
+    text = llm.tokenizer.apply_chat_template(
+        history, tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert out.prompt_token_ids == llm.tokenizer(text, add_special_tokens=False).input_ids
+    assert "<tool_call>" in text and "<tool_response>\nsunny" in text and text.endswith("<think>\n\n</think>\n\n")
+    thinking = llm.chat(history, greedy, use_tqdm=False, tools=TOOLS)[0]
+    assert len(out.prompt_token_ids) > len(thinking.prompt_token_ids)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tools"):
+        llm.chat(history, greedy, use_tqdm=False, chat_template_kwargs={"tools": []})
+
+
+def test_reasoning_parser_splits_the_think_block(llm):
+    forced = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=SO(choice=["<think>\nhmm, the sea\n</think>\n\nHello!"])
+    )
+    messages = [{"role": "user", "content": "Hi"}]
+    out = llm.chat(messages, forced, use_tqdm=False, reasoning_parser="qwen3")[0]
+    assert (out.reasoning_content, out.text) == ("\nhmm, the sea\n", "Hello!")
+    plain = llm.chat(messages, forced, use_tqdm=False)[0]
+    assert plain.reasoning_content is None and plain.text.startswith("<think>")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3"):
+        llm.chat(messages, forced, use_tqdm=False, reasoning_parser="deepseek")
