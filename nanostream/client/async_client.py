@@ -90,13 +90,14 @@ class AsyncClient(Connection):
 
     def stream(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | None = None,
         *,
         timeout: float | None = None,
         **sampling_kwargs: Any,
     ) -> Stream:
-        """Stream the completion of ``prompt`` (text or token ids).
+        """Stream the completion of ``prompt`` (text or token ids), or of several prompts at once (a list
+        of them: sample j of prompt p has index ``p * n + j``).
 
         ``sampling_kwargs`` are SamplingParams fields (``max_tokens=64, temperature=0``), applied over
         ``sampling_params`` when both are given. ``timeout`` (seconds) bounds the whole request: the
@@ -104,7 +105,10 @@ class AsyncClient(Connection):
         samples' chunks interleave, each with its ``index``.
         """
         self._check_reachable()
-        return Stream(self, self._prompt_ids(prompt), self._params(sampling_params, sampling_kwargs), timeout)
+        params = self._params(sampling_params, sampling_kwargs)
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = [self._prompt_ids(p) for p in (prompt if several else [prompt])]
+        return Stream(self, prompts[0], params, timeout, extra_prompts=prompts[1:])
 
     def chat(
         self,

@@ -60,12 +60,14 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     require_template: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The prompt token ids of ``messages`` (and ``tools``) as the model's chat template renders them.
 
     A tokenizer without a template renders a plain "role: content" transcript ending in "assistant:"
     (``require_template``: raises ``ValueError`` instead). A template that refuses the messages raises
-    ``InvalidRequestError`` with its reason.
+    ``InvalidRequestError`` with its reason. ``add_special_tokens``: also those the tokenizer adds
+    to any text (a BOS); templates write their own, so off by default.
     """
     kwargs = check_template_kwargs(chat_template_kwargs)
     if getattr(tokenizer, "chat_template", None):
@@ -82,4 +84,4 @@ def render_chat(
     else:
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
         text += "assistant:" if add_generation_prompt else ""
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids

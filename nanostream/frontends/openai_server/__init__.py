@@ -8,8 +8,14 @@
     api.chat.completions.create(model="Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or
-server-sent events with ``"stream": true``), ``GET /health`` (a round trip to the engine) and
-``GET /metrics`` (Prometheus). One AsyncClient, connected in the app's lifespan, carries every request.
+server-sent events with ``"stream": true``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's
+shapes), ``GET /version``, ``GET /health`` (a round trip to the engine) and ``GET /metrics``
+(Prometheus). One AsyncClient, connected in the app's lifespan, carries every request.
+
+Beyond plain text: ``n`` choices, ``response_format`` and vLLM's ``structured_outputs`` (structured.py),
+``tools`` and ``tool_choice`` (tool_parsers.py), ``--reasoning-parser qwen3`` (``reasoning_content``),
+``chat_template_kwargs``, ``logit_bias``, ``echo`` and ``prompt_logprobs``. A field this server does not
+implement and that would change the result is a 400 naming it (unsupported.py).
 
 A request's life: pydantic validates the body → ``SamplingParams`` → ``client.stream``/``client.chat``
 → the server waits for the first chunk, so a request the engine rejects is an HTTP 400 and not a
@@ -28,14 +34,26 @@ import argparse
 import os
 import sys
 
+from nanostream.client.reasoning import REASONING_PARSERS
 from nanostream.frontends import Frontend
 from nanostream.frontends.openai_server.app import create_app
+from nanostream.frontends.openai_server.tool_parsers import TOOL_PARSERS
 
 __all__ = ["OpenAIServer", "create_app"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "NANOSTREAM_API_KEY"
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """create_app's keyword arguments from the command line (one server process, or each worker)."""
+    return dict(
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+    )
 
 
 class OpenAIServer(Frontend):
@@ -62,6 +80,17 @@ class OpenAIServer(Frontend):
             help="server processes on the one port, each with its own engine connection: one serves about "
             "5,000 streamed events/s; use several for hundreds of concurrent streams (default %(default)s)",
         )
+        parser.add_argument(
+            "--reasoning-parser",
+            choices=sorted(REASONING_PARSERS),
+            help="return the <think> part of replies as reasoning_content (default: none, all is content)",
+        )
+        parser.add_argument(
+            "--tool-call-parser",
+            default="hermes",
+            choices=[*sorted(TOOL_PARSERS), "none"],
+            help="read tool calls out of replies in this format (default %(default)s: Qwen's <tool_call> JSON)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         import uvicorn
@@ -70,7 +99,7 @@ class OpenAIServer(Frontend):
             print("nanostream frontend openai: --workers must be at least 1", file=sys.stderr)
             return 2
         try:
-            app = create_app(args.engine, api_key=args.api_key, served_model_name=args.served_model_name)
+            app = create_app(args.engine, **app_options(args))
         except ValueError as exc:
             print(f"nanostream frontend openai: {exc}", file=sys.stderr)
             return 2

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import jinja2
 import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from nanostream.client import AsyncClient
+from nanostream.client.chat_template import check_template_kwargs
+from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
-from nanostream.errors import NanostreamError
-from nanostream.frontends.openai_server.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+from nanostream.errors import InvalidRequestError, NanostreamError
+from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.metrics import Metrics
 from nanostream.frontends.openai_server.protocol import (
     APIError,
@@ -33,73 +34,18 @@ from nanostream.frontends.openai_server.protocol import (
     api_error,
     bad_request,
 )
-from nanostream.outputs import Completion, StreamChunk
-from nanostream.protocol import Usage
+from nanostream.frontends.openai_server.responses import Reply, ReplyOptions
+from nanostream.frontends.openai_server.structured import constraint_of, tool_plan
+from nanostream.frontends.openai_server.tokenization import Tokenization, version
+from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool_parser
+from nanostream.frontends.openai_server.unsupported import check_supported
+from nanostream.outputs import StreamChunk
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 # ---- responses ------------------------------------------------------------------------------------
-
-
-def _usage(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-@dataclasses.dataclass
-class _Reply:
-    """How one request's output becomes OpenAI's JSON: a chat completion or a text completion."""
-
-    chat: bool
-    model: str
-    request_id: str
-    tokens: TokenText
-    top_logprobs: int | None  # None: no logprobs asked for
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    offsets: TextOffsets = dataclasses.field(default_factory=TextOffsets)  # for completions' logprobs
-
-    def whole(self, chunk: Completion) -> dict[str, Any]:
-        """The non-streaming response, from every chunk merged into one."""
-        return self._object([self._choice(chunk, "message")], usage=chunk.usage)
-
-    def event(self, chunk: StreamChunk) -> dict[str, Any]:
-        return self._object([self._choice(chunk, "delta")], streamed=True)
-
-    def role_event(self) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._object([choice], streamed=True)
-
-    def usage_event(self, usage: Usage) -> dict[str, Any]:
-        return self._object([], streamed=True, usage=usage)
-
-    def _object(self, choices: list[dict], *, streamed: bool = False, usage: Usage | None = None) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
-        prefix = "chatcmpl-" if self.chat else "cmpl-"
-        out = {"id": prefix + self.request_id, "object": kind, "created": self.created, "model": self.model}
-        out["choices"] = choices
-        if usage is not None:
-            out["usage"] = _usage(usage)
-        return out
-
-    def _choice(self, chunk: StreamChunk | Completion, key: str) -> dict[str, Any]:
-        if self.chat:
-            message = {"role": "assistant", "content": chunk.text} if key == "message" else {"content": chunk.text}
-            choice: dict[str, Any] = {"index": 0, key: message, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": chunk.text, "logprobs": None}
-        if self.top_logprobs is not None and chunk.logprobs is not None:
-            if self.chat:
-                choice["logprobs"] = chat_logprobs(self.tokens, chunk.token_ids, chunk.logprobs, self.top_logprobs)
-            else:
-                choice["logprobs"] = completion_logprobs(self.tokens, chunk.token_ids, chunk.logprobs, self.offsets)
-        choice["finish_reason"] = chunk.finish_reason
-        return choice
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -135,8 +81,11 @@ async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]
 # ---- the app --------------------------------------------------------------------------------------
 
 
-class _Server:
-    """The routes' shared state: one AsyncClient, the served name, the API key, the metrics."""
+class _Server(Tokenization):
+    """The routes' shared state: one AsyncClient, the served name, the API key, the metrics, the parsers."""
+
+    reasoning_parser: str | None = None
+    tool_parser: type[ToolParser] | None = None
 
     def __init__(self, client: AsyncClient, api_key: str | None, served_model_name: str | None) -> None:
         self.client = client
@@ -190,31 +139,67 @@ class _Server:
             "max_model_len": self.client.max_model_len,
         }
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    def _checked(self, body: BaseRequest) -> None:
         self.check_model(body.model)
-        body.check_supported()
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        stream = self.client.stream(body.prompt, params)
-        return await self._respond(request, body, stream, chat=False, top_logprobs=body.logprobs)
+        check_supported(body)
+        body.check()
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._checked(body)
+        params = body.sampling_params(body.max_tokens, body.logprobs, constraint_of(body))
+        if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)  # the echoed prompt's logprobs
+        prompts = body.prompt
+        stream = self.client.stream(prompts if len(prompts) > 1 else prompts[0], params)
+        tokenizer = self.client.tokenizer
+        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
+        options = self._options(stream, body, chat=False, top_logprobs=body.logprobs)
+        options.echo = echo
+        return await self._respond(request, body, stream, Reply(options))
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        self._checked(body)
         logprobs = body.num_logprobs()
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, logprobs)
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+        plan = tool_plan(body, self.tool_parser)
+        params = body.sampling_params(
+            body.max_completion_tokens or body.max_tokens, logprobs, constraint_of(body, plan)
+        )
         try:
-            stream = self.client.chat(messages, params)
-        except jinja2.TemplateError as exc:
-            raise bad_request(f"the model's chat template refused these messages: {exc}", "messages") from None
-        return await self._respond(request, body, stream, chat=True, top_logprobs=logprobs)
+            kwargs = check_template_kwargs(body.chat_template_kwargs)
+        except ValueError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs") from None
+        try:
+            stream = self.client.chat(
+                body.template_messages(),
+                params,
+                tools=plan.tools,
+                chat_template_kwargs=kwargs,
+                reasoning_parser=self.reasoning_parser,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), "messages") from None
+        options = self._options(stream, body, chat=True, top_logprobs=logprobs)
+        options.tool_parser = self.tool_parser if plan.parse else None
+        options.reasoning = self.reasoning_parser is not None
+        return await self._respond(request, body, stream, Reply(options))
 
-    async def _respond(
-        self, request: Request, body: BaseRequest, stream: Stream, *, chat: bool, top_logprobs: int | None
-    ) -> Response:
-        reply = _Reply(chat, self.served_model_name, stream.request_id, self.tokens, top_logprobs)
-        chunks = self.metrics.timed(stream, "chat" if chat else "completions")
+    def _options(self, stream: Stream, body: BaseRequest, *, chat: bool, top_logprobs: int | None) -> ReplyOptions:
+        return ReplyOptions(
+            chat,
+            self.served_model_name,
+            stream.request_id,
+            self.tokens,
+            stream.prompts,
+            n=stream.params.n,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
+
+    async def _respond(self, request: Request, body: BaseRequest, stream: Stream, reply: Reply) -> Response:
+        chunks = self.metrics.timed(stream, "chat" if reply.o.chat else "completions")
         if not body.stream:
-            got = await _unless_disconnected(request, lambda: _merged(stream, chunks))
+            got = await _unless_disconnected(request, lambda: _collected(chunks))
             return JSONResponse(reply.whole(got)) if got is not None else Response(status_code=499)
         # The first chunk before the first byte: a rejected request is still a plain HTTP error.
         first = await _unless_disconnected(request, chunks.__anext__)
@@ -227,18 +212,20 @@ class _Server:
         )
 
     async def _events(
-        self, reply: _Reply, first: StreamChunk, chunks: AsyncIterator[StreamChunk], include_usage: bool
+        self, reply: Reply, first: StreamChunk, chunks: AsyncIterator[StreamChunk], include_usage: bool
     ) -> AsyncIterator[bytes]:
         async with contextlib.aclosing(chunks):  # a cancelled response closes the stream: abort
             try:
-                if reply.chat:
-                    yield _sse(reply.role_event())
-                chunk = first
-                yield _sse(reply.event(chunk))
+                if reply.o.chat:
+                    for event in reply.role_events():
+                        yield _sse(event)
+                if (event := reply.event(first)) is not None:
+                    yield _sse(event)
                 async for chunk in chunks:
-                    yield _sse(reply.event(chunk))
+                    if (event := reply.event(chunk)) is not None:
+                        yield _sse(event)
                 if include_usage:
-                    yield _sse(reply.usage_event(chunk.usage))
+                    yield _sse(reply.usage_event())
             except Exception as exc:
                 error = api_error(exc)
                 if error.status == 500:
@@ -265,9 +252,8 @@ class _Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _merged(stream: Stream, chunks: AsyncIterator[StreamChunk]) -> Completion:
-    """Every chunk of a stream as one, as ``AsyncClient.generate`` merges them."""
-    return Completion.of(stream.request_id, [chunk async for chunk in chunks], stream.params.logprobs is not None)
+async def _collected(chunks: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
+    return [chunk async for chunk in chunks]
 
 
 def create_app(
@@ -275,17 +261,25 @@ def create_app(
     *,
     api_key: str | None = None,
     served_model_name: str | None = None,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = "hermes",
 ) -> FastAPI:
     """The OpenAI-compatible app; its lifespan connects one AsyncClient and closes it at shutdown.
 
     ``client`` is the engine's address (None: ``NANOSTREAM_ADDRESS``) or a function that returns an
     unconnected AsyncClient (to choose its timeout, say). With ``api_key`` every ``/v1`` request
     needs ``Authorization: Bearer KEY``. ``served_model_name`` is the model name that requests give
-    and ``/v1/models`` lists (default: the name of the engine's model directory). Example::
+    and ``/v1/models`` lists (default: the name of the engine's model directory).
+    ``reasoning_parser`` ("qwen3") returns a reply's ``<think>`` part as ``reasoning_content``;
+    ``tool_call_parser`` (default "hermes", None: none) reads tool calls out of replies. Example::
 
         uvicorn.run(create_app("ipc:///run/nanostream.sock", api_key="sk-local"), port=8000)
     """
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)  # ValueError naming the known ones
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     server = _Server(client() if callable(client) else AsyncClient(client), api_key, served_model_name)
+    server.reasoning_parser, server.tool_parser = reasoning_parser, parser
     app = FastAPI(title="nanostream OpenAI-compatible API", lifespan=server.lifespan)
     app.state.server = server
 
@@ -301,6 +295,9 @@ def create_app(
     app.get("/v1/models/{model:path}", **v1)(server.model)
     app.post("/v1/completions", **v1)(server.completions)
     app.post("/v1/chat/completions", **v1)(server.chat_completions)
+    app.post("/tokenize", **v1)(server.tokenize)
+    app.post("/detokenize", **v1)(server.detokenize)
+    app.get("/version")(version)
     app.get("/health")(server.health)
     app.get("/metrics")(server.prometheus)
     return app

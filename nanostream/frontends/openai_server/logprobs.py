@@ -97,3 +97,27 @@ def completion_logprobs(
         "top_logprobs": [{tokens.text_of(t): lp for t, lp in r} for r in ranked],
         "text_offset": [offsets.next(tokens.bytes_of(t)) for t in ids],
     }
+
+
+def echoed_prompt_logprobs(
+    tokens: TokenText, ids: list[int], prompt_logprobs: list[dict[int, float] | None], offsets: TextOffsets
+) -> dict[str, Any]:
+    """The legacy format for an echoed prompt: its first token has no logprob, as OpenAI reports it."""
+    ranked = [None if lps is None else _ranked(lps) for lps in prompt_logprobs]
+    return {
+        "tokens": [tokens.text_of(t) for t in ids],
+        "token_logprobs": [None if r is None else dict(r)[t] for t, r in zip(ids, ranked)],
+        "top_logprobs": [None if r is None else {tokens.text_of(t): lp for t, lp in r} for r in ranked],
+        "text_offset": [offsets.next(tokens.bytes_of(t)) for t in ids],
+    }
+
+
+def prompt_logprobs_json(
+    tokens: TokenText, ids: list[int], prompt_logprobs: list[dict[int, float] | None]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob, decoded_token}}
+    for the token and the top N."""
+    return [
+        None if lps is None else {str(t): {"logprob": lp, "decoded_token": tokens.text_of(t)} for t, lp in _ranked(lps)}
+        for lps in prompt_logprobs
+    ]

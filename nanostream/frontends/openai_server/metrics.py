@@ -93,7 +93,7 @@ class Metrics:
                     now = time.perf_counter()
                     if first:
                         first = False
-                        self.prompt_tokens.inc(len(stream.prompt_token_ids))
+                        self.prompt_tokens.inc(stream.num_prompt_tokens)
                         self.ttft.observe(now - start)
                     elif chunk.token_ids:  # tokens that arrive together share the gap
                         for _ in chunk.token_ids:

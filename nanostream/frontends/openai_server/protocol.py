@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -20,6 +20,7 @@ from nanostream.errors import (
     RequestTimeoutError,
 )
 from nanostream.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanostream.structured_outputs import StructuredOutputsParams
 
 # ---- errors ---------------------------------------------------------------------------------------
 
@@ -104,14 +105,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 # Request fields passed to SamplingParams as they are, when given (max_tokens and logprobs differ by endpoint).
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens", "logprobs"}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
+    "max_tokens",
+    "logprobs",
+    "logit_bias",
+    "structured_outputs",
+}
 
 
 class BaseRequest(BaseModel):
-    """Fields both generation endpoints take. Unknown fields (``user``, ...) are ignored, as OpenAI does."""
+    """Fields both generation endpoints take. Unknown fields (``user``, ...) are ignored, as OpenAI does,
+    except those that would change the result (unsupported.py): those are a 400 naming the field."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow", populate_by_name=True)
 
     model: str | None = None
     stream: bool = False
@@ -123,26 +142,53 @@ class BaseRequest(BaseModel):
     seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # vLLM's extra sampling fields (send them with the openai package's `extra_body`)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra fields (send them with the openai package's `extra_body`)
     top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[Int64] | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: Int64 | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise bad_request(f"n must be 1, got {self.n}: this server returns one choice; send n requests", "n")
+    def check(self) -> None:
+        """What pydantic cannot see alone: fields that need others."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true; leave it out", "stream_options")
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, structured: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         given = {name: value for name, value in self if name in _SAMPLING_FIELDS and value is not None}
+        if self.logit_bias:
+            given["logit_bias"] = _token_ids(self.logit_bias)
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, **given)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+
+def _token_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, JSON keys being strings) with integer keys."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+Prompt = str | list[int]
+MAX_PROMPTS = 1024  # of a completions request's prompt list
 
 
 class CompletionRequest(BaseRequest):
@@ -155,25 +201,58 @@ class CompletionRequest(BaseRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(type(t) is int and -(2**63) <= t < 2**63 for t in prompt):
+    def _prompts(cls, prompt: Any) -> list[Prompt]:
+        """A string, a list of token ids, or a list of either (several prompts): always a list of prompts."""
+
+        def one(p: Any) -> bool:
+            return isinstance(p, str) or (
+                isinstance(p, list) and bool(p) and all(type(t) is int and -(2**63) <= t < 2**63 for t in p)
+            )
+
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
             return prompt
         raise ValueError(
-            "prompt must be a string or a list of token ids (or a list of one of them); "
-            "for several prompts send one request each"
+            "prompt must be a string, a list of token ids, or a list of several of either (one choice each)"
         )
 
-    def check_supported(self) -> None:
-        if self.echo:
-            raise bad_request("echo is not supported; leave it false (prepend the prompt yourself)", "echo")
+    def check(self) -> None:
+        super().check()
         if self.suffix:
             raise bad_request("suffix is not supported (no fill-in-the-middle); leave it out", "suffix")
         if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1, got {self.best_of}; send several requests and pick", "best_of")
+            raise bad_request(f"best_of must be 1, got {self.best_of}; ask for n samples and pick", "best_of")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ContentPart(BaseModel):
@@ -182,8 +261,16 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message as the chat template gets it: every field the client set, the content as text."""
+
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self, index: int) -> str:
         """The content as one string; text parts are joined with newlines (as vLLM does)."""
@@ -197,6 +284,9 @@ class ChatMessage(BaseModel):
                 )
         return "\n".join(part.text for part in self.content)
 
+    def for_template(self, index: int) -> dict[str, Any]:
+        return {**self.model_dump(exclude_unset=True), "content": self.text(index)}
+
 
 class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -204,6 +294,11 @@ class ChatRequest(BaseRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -211,3 +306,6 @@ class ChatRequest(BaseRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]

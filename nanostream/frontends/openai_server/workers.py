@@ -39,9 +39,9 @@ def listen(host: str, port: int) -> socket.socket | None:
 def _worker(sock: socket.socket, args: argparse.Namespace) -> None:
     import uvicorn
 
-    from nanostream.frontends.openai_server.app import create_app
+    from nanostream.frontends.openai_server import app_options, create_app
 
-    app = create_app(args.engine, api_key=args.api_key, served_model_name=args.served_model_name)
+    app = create_app(args.engine, **app_options(args))
     server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
     server.run(sockets=[sock])
     sys.exit(0 if server.started else 3)  # 3: it never served (no engine answered), as uvicorn.run exits

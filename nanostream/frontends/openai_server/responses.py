@@ -1,0 +1,209 @@
+"""How a request's chunks become OpenAI's JSON: one choice per sample (``index``), text or a chat message
+with ``reasoning_content`` and ``tool_calls``, logprobs, usage counting each prompt once.
+
+Streamed, each chunk becomes one event for its choice; whole, each choice's chunks are merged and
+parsed at once, with the same parsers, so the two add up to the same reply.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanostream.frontends.openai_server.logprobs import (
+    TextOffsets,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    prompt_logprobs_json,
+)
+from nanostream.frontends.openai_server.tool_parsers import CallArguments, CallStart, Content, Event, ToolParser
+from nanostream.outputs import StreamChunk
+from nanostream.protocol import Usage
+
+
+@dataclass
+class ReplyOptions:
+    chat: bool
+    model: str
+    request_id: str
+    tokens: TokenText
+    prompts: list[list[int]]  # token ids of each prompt
+    n: int = 1  # samples per prompt: choice index = prompt * n + sample
+    top_logprobs: int | None = None  # None: no logprobs asked for
+    tool_parser: type[ToolParser] | None = None  # parse tool calls out of chat replies
+    reasoning: bool = False  # chunks carry reasoning_content (a reasoning parser runs)
+    echo: list[str] | None = None  # completions: each prompt's text, put before its choices' text
+    prompt_logprobs: bool = False  # report the prompt logprobs the chunks carry
+
+
+@dataclass
+class _Choice:
+    index: int
+    parser: ToolParser | None
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' logprobs
+    started: bool = False  # its first event went out
+    calls: int = 0  # tool calls started
+    usage: Usage | None = None
+
+
+def _usage_json(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Reply:
+    def __init__(self, options: ReplyOptions) -> None:
+        self.o = options
+        self.created = int(time.time())
+        self.choices: dict[int, _Choice] = {}
+        self.prompt_lps: dict[int, list] = {}  # per prompt, from its first sample's first chunk
+
+    def _choice(self, index: int) -> _Choice:
+        if index not in self.choices:
+            parser = self.o.tool_parser() if self.o.tool_parser is not None else None
+            self.choices[index] = _Choice(index, parser)
+        return self.choices[index]
+
+    # ---- the response objects
+
+    def whole(self, chunks: list[StreamChunk]) -> dict[str, Any]:
+        """The non-streamed response from every chunk of the request."""
+        by_index: dict[int, list[StreamChunk]] = {}
+        for chunk in chunks:
+            by_index.setdefault(chunk.index, []).append(chunk)
+        key = "message" if self.o.chat else "text"
+        choices = [self._render(self._merged(by_index[i]), key) for i in sorted(by_index)]
+        return self._object(choices, usage=True)
+
+    def role_events(self) -> list[dict[str, Any]]:
+        """Chat streams start each choice with its role."""
+        return [
+            self._object(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                streamed=True,
+            )
+            for i in range(len(self.o.prompts) * self.o.n)
+        ]
+
+    def event(self, chunk: StreamChunk) -> dict[str, Any] | None:
+        """The streamed event of one chunk (None: it adds nothing a client would see)."""
+        choice = self._render(chunk, "delta" if self.o.chat else "text")
+        if choice is None:
+            return None
+        return self._object([choice], streamed=True)
+
+    def usage_event(self) -> dict[str, Any]:
+        return self._object([], streamed=True, usage=True)
+
+    def _object(self, choices: list[dict], *, streamed: bool = False, usage: bool = False) -> dict[str, Any]:
+        chat = self.o.chat
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
+        out = {"id": ("chatcmpl-" if chat else "cmpl-") + self.o.request_id, "object": kind, "created": self.created}
+        out["model"], out["choices"] = self.o.model, choices
+        if usage:
+            out["usage"] = self._usage()
+        if chat and self.o.prompt_logprobs and not streamed and 0 in self.prompt_lps:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.o.tokens, self.o.prompts[0], self.prompt_lps[0])
+        return out
+
+    def _usage(self) -> dict[str, Any]:
+        prompt = sum(map(len, self.o.prompts))
+        completion = sum(c.usage.completion_tokens for c in self.choices.values() if c.usage)
+        cached = sum(c.usage.cached_tokens for c in self.choices.values() if c.usage and c.index % self.o.n == 0)
+        return _usage_json(prompt, completion, cached)
+
+    # ---- one choice
+
+    def _merged(self, chunks: list[StreamChunk]) -> StreamChunk:
+        last = chunks[-1]
+        merged = StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids])
+        merged.finish_reason, merged.usage, merged.index = last.finish_reason, last.usage, last.index
+        merged.logprobs = [lp for c in chunks for lp in c.logprobs or []] if self.o.top_logprobs is not None else None
+        merged.reasoning_content = "".join(c.reasoning_content for c in chunks)
+        merged.prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+        return merged
+
+    def _render(self, chunk: StreamChunk, key: str) -> dict[str, Any] | None:
+        c = self._choice(chunk.index)
+        prompt = chunk.index // self.o.n
+        if chunk.prompt_logprobs is not None:
+            self.prompt_lps.setdefault(prompt, chunk.prompt_logprobs)
+        if chunk.usage is not None:
+            c.usage = chunk.usage
+        first, c.started = not c.started, True
+        final = chunk.finish_reason is not None
+        finish = chunk.finish_reason
+        if self.o.chat:
+            body, visible = self._message(c, chunk, final, whole=key == "message")
+            if c.calls and finish == "stop":
+                finish = "tool_calls"
+            choice: dict[str, Any] = {"index": chunk.index, key: body, "logprobs": None}
+            if self.o.top_logprobs is not None and chunk.logprobs:
+                choice["logprobs"] = chat_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, self.o.top_logprobs)
+                visible = True
+            if key == "delta" and not (visible or final):
+                return None
+        else:
+            text, lps = chunk.text, None
+            if first and self.o.echo is not None:
+                text = self.o.echo[prompt] + text
+            if self.o.top_logprobs is not None and chunk.logprobs is not None:
+                echoed = None
+                if first and self.o.echo is not None and prompt in self.prompt_lps:
+                    ids = self.o.prompts[prompt]
+                    echoed = echoed_prompt_logprobs(self.o.tokens, ids, self.prompt_lps[prompt], c.offsets)
+                lps = completion_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, c.offsets)
+                if echoed is not None:
+                    lps = {k: echoed[k] + lps[k] for k in lps}
+            choice = {"index": chunk.index, "text": text, "logprobs": lps}
+            if first and self.o.prompt_logprobs and prompt in self.prompt_lps:
+                choice["prompt_logprobs"] = prompt_logprobs_json(
+                    self.o.tokens, self.o.prompts[prompt], self.prompt_lps[prompt]
+                )
+        choice["finish_reason"] = finish
+        return choice
+
+    def _message(self, c: _Choice, chunk: StreamChunk, final: bool, whole: bool) -> tuple[dict[str, Any], bool]:
+        """A chat choice's message (``whole``) or delta, and whether it shows anything."""
+        if c.parser is None and not self.o.reasoning:  # plain text, as every chunk always was
+            return ({"role": "assistant", "content": chunk.text} if whole else {"content": chunk.text}), bool(
+                chunk.text
+            )
+        out: dict[str, Any] = {"role": "assistant"} if whole else {}
+        if self.o.reasoning and (chunk.reasoning_content or whole):
+            out["reasoning_content"] = chunk.reasoning_content or None
+        if c.parser is None:
+            out["content"] = chunk.text if (chunk.text or whole) else None
+        else:
+            events = c.parser.feed(chunk.text, final)
+            text = "".join(e.text for e in events if isinstance(e, Content))
+            calls = _call_deltas(events, whole)
+            c.calls += sum(isinstance(e, CallStart) for e in events)
+            if text or whole:
+                out["content"] = text or None
+            if calls:
+                out["tool_calls"] = calls
+        if not whole and out.get("content") is None:
+            out.pop("content", None)
+        return out, bool(out)
+
+
+def _call_deltas(events: list[Event], whole: bool) -> list[dict[str, Any]]:
+    """Tool-call deltas (one per call index, in order), or whole tool calls."""
+    calls: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if isinstance(e, CallStart):
+            calls[e.index] = {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+            if not whole:
+                calls[e.index]["index"] = e.index
+        elif isinstance(e, CallArguments):
+            entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += e.text
+    return [calls[i] for i in sorted(calls)]
