@@ -51,7 +51,8 @@ class APIError(Exception):
 
 RETRY_AFTER_S = 1  # what a 429 tells the HTTP client to wait: the engine's queues drain in about that
 
-_PARAM = re.compile(r"^(\w+) must\b")  # SamplingParams' messages start with the field at fault
+# SamplingParams' and the engine's messages start with the field at fault ("n must ...", "logit_bias names ...").
+_PARAM = re.compile(r"^(\w+)(?:\.\w+)* (?:must|is not|names|takes|cannot)\b")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -1,0 +1,433 @@
+"""What apps and agents use beyond plain chat, over real HTTP with the official ``openai`` client, a real
+engine process and a tiny random model (a "scripted" reply is forced with structured outputs): JSON that
+validates, regex and choices, tool calls (required, named, auto; streamed deltas equal the whole reply),
+tool histories rendered as the template renders them, n samples, template options, reasoning, the
+tokenizer routes and the fields this server refuses."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from helpers import engine_processes, run_in_thread, serve_http
+from pydantic import BaseModel, Field
+
+from nanostream import LLM, AsyncClient, SamplingParams
+from nanostream.frontends.openai_server import create_app
+
+pytestmark = pytest.mark.slow
+
+ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
+API_KEY = "sk-test-key"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir) -> Iterator[str]:
+    with engine_processes(str(qwen3_dir), {"main": ENGINE_OPTIONS}) as started:
+        yield started["main"].address
+
+
+@pytest.fixture(scope="module")
+def url(engine) -> Iterator[str]:
+    base, stop = serve_http(create_app(engine, api_key=API_KEY, reasoning_parser="qwen3"))
+    yield base
+    stop()
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_dir) -> str:
+    return Path(qwen3_dir).name
+
+
+@pytest.fixture(scope="module")
+def api(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir) -> LLM:
+    return LLM(str(qwen3_dir), **ENGINE_OPTIONS)
+
+
+def streamed_content(stream) -> tuple[str, str | None]:
+    text, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(text), finish
+
+
+def forced(text: str) -> dict:
+    """extra_body that makes the tiny model write exactly ``text`` (a scripted reply)."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+def assert_400(response: httpx.Response, param: str | None, *fragments: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    for fragment in fragments:
+        assert fragment in error["message"], error
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+
+
+def test_json_schema_output_validates_streamed_and_not(api, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    args = dict(model=model, messages=USER, response_format=fmt, max_tokens=120, temperature=0)
+    whole = api.chat.completions.create(**args)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), PERSON)
+    assert whole.choices[0].finish_reason == "stop"
+    text, finish = streamed_content(api.chat.completions.create(**args, stream=True))
+    assert (text, finish) == (whole.choices[0].message.content, "stop")
+    sampled = api.chat.completions.create(**{**args, "temperature": 1.0, "seed": 4, "n": 3})
+    for choice in sampled.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    obj = api.chat.completions.create(**{**args, "response_format": {"type": "json_object"}, "max_tokens": 400})
+    assert obj.choices[0].message.content.startswith("{")
+
+
+def test_the_clients_parse_helper_gets_a_parsed_object(api, model):
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    out = api.chat.completions.parse(model=model, messages=USER, response_format=Person, max_tokens=100, temperature=0)
+    assert isinstance(out.choices[0].message.parsed, Person)
+
+
+def test_regex_choice_and_grammar_outputs_match(api, model):
+    def complete(so: dict, **kw) -> list[str]:
+        out = api.completions.create(
+            model=model, prompt="Once upon a time", max_tokens=40, extra_body={"structured_outputs": so}, **kw
+        )
+        return [c.text for c in out.choices]
+
+    for text in complete({"regex": r"[a-z]{3}-\d{3}"}, temperature=1.0, seed=1, n=3):
+        assert re.fullmatch(r"[a-z]{3}-\d{3}", text)
+    assert set(complete({"choice": ["red", "green", "blue"]}, temperature=1.0, seed=2, n=4)) <= {"red", "green", "blue"}
+    assert re.fullmatch(r"(ab)+", complete({"grammar": 'root ::= "ab" root | "ab"'}, temperature=0)[0])
+
+
+def test_constrained_and_free_requests_in_one_batch(api, llm, model):
+    """Free requests running beside constrained ones return exactly the offline engine's greedy text."""
+    prompts = ["Once upon a time", "The river ran past", "Seven small boats", "A stream can end"]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+
+    def free(prompt: str) -> str:
+        extra = {"ignore_eos": True}
+        return (
+            api.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, extra_body=extra)
+            .choices[0]
+            .text
+        )
+
+    def constrained(prompt: str) -> str:
+        extra = {"structured_outputs": {"json": PERSON}}
+        return (
+            api.completions.create(model=model, prompt=prompt, max_tokens=120, temperature=0, extra_body=extra)
+            .choices[0]
+            .text
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        frees = [pool.submit(free, p) for p in prompts]
+        jsons = [pool.submit(constrained, p) for p in prompts]
+        assert [f.result() for f in frees] == [r.text for r in refs]
+        for f in jsons:
+            jsonschema.validate(json.loads(f.result()), PERSON)
+
+
+def test_an_invalid_schema_or_grammar_is_a_400(http, model):
+    base = {"model": model, "messages": USER, "max_tokens": 8}
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "structured_outputs",
+            "not a valid JSON schema",
+        ),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "not a valid regular expression"),
+        ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "not a valid EBNF grammar"),
+        ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs", "no field 'pattern'"),
+        (
+            {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+            "give only one",
+        ),
+    ]
+    for extra, param, fragment in cases:
+        for stream in (False, True):
+            assert_400(http.post("/v1/chat/completions", json={**base, **extra, "stream": stream}), param, fragment)
+
+
+# ---- tools --------------------------------------------------------------------------------------
+
+
+def calls_of(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def test_required_and_named_tool_choice_give_calls_that_validate(api, model):
+    # (A random model may go on calling tools in parallel until max_tokens; the grammar of parallel calls is
+    # checked in test_tool_parsers.py.)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        args = dict(
+            model=model,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=0,
+        )
+        whole = api.chat.completions.create(**args)
+        message, finish = whole.choices[0].message, whole.choices[0].finish_reason
+        assert message.tool_calls and finish == "tool_calls" and message.content is None
+        for call in message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert len(message.tool_calls) == 1
+        if choice != "required":
+            assert message.tool_calls[0].function.name == "get_weather"
+        with api.chat.completions.stream(**args) as stream:  # the client's helper assembles the deltas
+            final = stream.get_final_completion()
+        assert calls_of(final.choices[0].message) == calls_of(message)
+        assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_scripted_tool_call_under_auto_is_parsed_streamed_and_not(api, model):
+    reply = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    )
+    args = dict(model=model, messages=USER, tools=TOOLS, max_tokens=120, temperature=0, extra_body=forced(reply))
+    whole = api.chat.completions.create(**args)
+    message = whole.choices[0].message
+    assert message.content == "Let me check.\n"
+    assert calls_of(message) == [("get_weather", '{"city": "Paris", "unit": "C"}')]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    chunks = list(api.chat.completions.create(**args, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.index == 0 for d in deltas)
+    assert "".join(d.function.arguments or "" for d in deltas) == message.tool_calls[0].function.arguments
+    none = api.chat.completions.create(**{**args, "tool_choice": "none"})
+    assert none.choices[0].message.content == reply and not none.choices[0].message.tool_calls
+
+
+def test_a_tool_history_renders_as_the_template_renders_it(api, http, llm, model):
+    history = [
+        {"role": "system", "content": "You help with weather."},
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                },
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+    ]
+    text = llm.tokenizer.apply_chat_template(history, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    expected = len(llm.tokenizer(text, add_special_tokens=False).input_ids)
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and '"arguments": {"city": "Paris"' in text
+    out = api.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=2)
+    assert out.usage.prompt_tokens == expected
+    counted = http.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()
+    assert counted["count"] == expected
+
+
+def test_langchain_runs_its_tool_and_structured_output_paths(url, model):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str = Field(max_length=16), unit: str = Field(pattern="^[CF]$")) -> str:
+        """The weather in a city."""
+        return f"18 {unit} in {city}"
+
+    chat = ChatOpenAI(base_url=url + "/v1", api_key=API_KEY, model=model, temperature=0, max_tokens=150, max_retries=0)
+    question = [HumanMessage("Weather in Paris?")]
+    ai = chat.bind_tools([get_weather], tool_choice="required").invoke(question)
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    result = get_weather.invoke(ai.tool_calls[0])  # runs the tool on the model's arguments
+    assert isinstance(result, ToolMessage)
+    second = chat.bind_tools([get_weather]).invoke([*question, ai, result])  # the agent loop's second turn
+    assert second.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=150)
+
+    out = chat.with_structured_output(Person, include_raw=True).invoke("Describe someone.")
+    assert isinstance(out["parsed"], Person) and out["parsing_error"] is None
+
+
+# ---- n, template options, reasoning -----------------------------------------------------------
+
+
+def test_n_samples_reproducible_by_seed_sharing_the_prompt(api, engine, model):
+    prompt = "The engine keeps a pool of key and value blocks. Each request owns a table of blocks, and every step"
+    args = dict(model=model, prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+
+    async def hits() -> int:
+        async with AsyncClient(engine) as client:
+            return (await client.stats()).engine.prefix_cache_hits
+
+    before = run_in_thread(hits)
+    three = api.completions.create(**args, n=3, seed=7)
+    shared = run_in_thread(hits) - before
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    for i, choice in enumerate(three.choices):
+        assert choice.text == api.completions.create(**args, seed=7 + i).choices[0].text
+    one = api.completions.create(**args, seed=7)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens and three.usage.completion_tokens == 36
+    full_blocks = (one.usage.prompt_tokens - 1) // 16
+    assert shared >= 2 * full_blocks * 16 > 0, "samples 1 and 2 reuse the prompt's full blocks"
+    streamed: dict[int, str] = {}
+    for chunk in api.completions.create(**args, n=3, seed=7, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in three.choices}
+
+
+def test_enable_thinking_false_changes_the_prompt_as_the_template_does(api, llm, model):
+    def prompt_tokens(**kwargs) -> int:
+        text = llm.tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **kwargs)
+        return len(llm.tokenizer(text, add_special_tokens=False).input_ids)
+
+    off = api.chat.completions.create(
+        model=model, messages=USER, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    on = api.chat.completions.create(model=model, messages=USER, max_tokens=1)
+    assert off.usage.prompt_tokens == prompt_tokens(enable_thinking=False) > on.usage.prompt_tokens == prompt_tokens()
+
+
+def test_the_think_block_is_reasoning_content_streamed_and_not(api, model):
+    reply = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
+    args = dict(model=model, messages=USER, max_tokens=80, temperature=0, extra_body=forced(reply))
+    message = api.chat.completions.create(**args).choices[0].message
+    assert (message.reasoning_content, message.content) == ("\nThe user wants weather.\n", "It is sunny.")
+    reasoning, content = [], []
+    for chunk in api.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        content.append(delta.content or "")
+    assert ("".join(reasoning), "".join(content)) == (message.reasoning_content, message.content)
+
+
+# ---- the rest of the request surface ---------------------------------------------------------
+
+
+def test_prompt_lists_echo_and_logprobs(api, llm, model):
+    prompts = ["Once upon a time", "The river"]
+    out = api.completions.create(model=model, prompt=prompts, n=2, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        assert c.text.startswith(prompts[c.index // 2])
+        lp = c.logprobs
+        ids = llm.tokenizer(prompts[c.index // 2]).input_ids
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 4
+        assert lp.text_offset[len(ids)] == len(prompts[c.index // 2])
+    assert out.usage.prompt_tokens == sum(len(llm.tokenizer(p).input_ids) for p in prompts)
+    extra = {"prompt_logprobs": 1}
+    with_prompt = api.completions.create(model=model, prompt=prompts[0], max_tokens=1, extra_body=extra)
+    plps = with_prompt.choices[0].model_extra["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == len(llm.tokenizer(prompts[0]).input_ids)
+
+
+def test_logit_bias_applies_and_is_checked(api, http, model):
+    token = 300
+    out = api.completions.create(
+        model=model,
+        prompt="Once",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert out.usage.completion_tokens == 3
+    ids = http.post("/tokenize", json={"prompt": out.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert ids == [token] * 3
+    assert_400(
+        http.post("/v1/completions", json={"prompt": "a", "logit_bias": {"10000000": 1}}),
+        "logit_bias",
+        "outside the vocabulary",
+    )
+    assert_400(http.post("/v1/completions", json={"prompt": "a", "logit_bias": {"x": 1}}), "logit_bias", "token ids")
+
+
+def test_tokenize_and_detokenize_round_trip(http, llm):
+    text = "The keeper read the sand as answers."
+    got = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == llm.tokenizer(text).input_ids and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == llm.tokenizer.convert_ids_to_tokens(got["tokens"]) and got["max_model_len"] > 0
+    assert http.post("/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": text}
+    assert_400(http.post("/detokenize", json={"tokens": [1, 10**7]}), "tokens", "tokens[1]")
+    assert http.get("/version").json()["version"]
+
+
+def test_fields_this_server_does_not_implement_are_a_400_naming_them(http, model):
+    base = {"model": model, "messages": USER, "max_tokens": 4}
+    cases = [
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+        ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+        ({"guided_json": {"type": "object"}}, "guided_json", "structured_outputs"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+        ({"echo": True}, "echo", "completions"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not among the tools",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set tools"),
+    ]
+    for extra, param, fragment in cases:
+        assert_400(http.post("/v1/chat/completions", json={**base, **extra}), param, fragment)
+    assert_400(http.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), "suffix", "not supported")
