@@ -431,3 +431,23 @@ def test_fields_this_server_does_not_implement_are_a_400_naming_them(http, model
     for extra, param, fragment in cases:
         assert_400(http.post("/v1/chat/completions", json={**base, **extra}), param, fragment)
     assert_400(http.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), "suffix", "not supported")
+
+
+def test_the_async_client_has_the_same_options(engine):
+    """n samples, a grammar and a reasoning parser straight from AsyncClient (what the frontend builds on)."""
+
+    async def main() -> None:
+        async with AsyncClient(engine) as client:
+            out = await client.generate("Once upon a time", n=2, seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+            assert [o.index for o in out.outputs] == [0, 1] and out.text == out.outputs[0].text
+            assert out.usage.completion_tokens == 16 and out.outputs[0].text != out.outputs[1].text
+            person = await client.generate("Hi", structured_outputs={"json": PERSON}, max_tokens=120, temperature=0)
+            jsonschema.validate(json.loads(person.text), PERSON)
+            reply = {"choice": ["<think>\nhmm\n</think>\n\nHello."]}
+            chunks = [
+                c async for c in client.chat(USER, reasoning_parser="qwen3", structured_outputs=reply, max_tokens=40)
+            ]
+            assert "".join(c.reasoning_content for c in chunks) == "\nhmm\n"
+            assert "".join(c.text for c in chunks) == "Hello."
+
+    run_in_thread(main)

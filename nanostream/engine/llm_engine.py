@@ -11,18 +11,17 @@ meets) N-1 workers (engine/workers.py) before its runner; their death is the eng
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.rendezvous import Rendezvous
+from nanostream.engine.admission import check_request, read_eos_token_ids
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.grammar import GrammarCompiler, GrammarWaitlist, fill_token_bitmask
 from nanostream.engine.model_runner import InFlight, ModelRunner
@@ -51,21 +50,6 @@ class StepResult:
     num_prefill_tokens: int  # prompt tokens computed this step (chunks that did not only decode)
     num_decode_tokens: int
     num_requests: int = 0  # requests in the step
-
-
-def read_eos_token_ids(model_path: Path, hf_config) -> frozenset[int]:
-    """EOS ids from generation_config.json and config.json (either may hold one id or a list)."""
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    gen = model_path / "generation_config.json"
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 class LLMEngine:
@@ -154,47 +138,8 @@ class LLMEngine:
 
         A constrained request (``structured_outputs``) waits for its grammar, compiled off this thread; a
         grammar that does not compile ends it with an "error" delta of code "invalid"."""
-        if params.n != 1:
-            raise InvalidRequestError(
-                f"n must be 1 in an engine request, got {params.n}: LLM and AsyncClient send one request per sample"
-            )
         prompt = list(prompt_token_ids)
-        n = len(prompt)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]!r} is outside the model's vocabulary [0, {self.vocab_size}); "
-                "tokenize the prompt with this model's tokenizer"
-            )
-        limit = self.max_model_len
-        if n >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but max_model_len is {limit}, leaving no room to generate; "
-                "shorten the prompt or raise max_model_len"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
-                f"({limit}); lower max_tokens to at most {limit - n} or shorten the prompt"
-            )
-        blocks = self.block_manager.blocks_needed(n + max_tokens)
-        if blocks > self.block_manager.num_blocks:
-            fits = self.block_manager.num_blocks * self.config.kvcache_block_size
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {n + max_tokens} tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks} ({fits} tokens); lower max_tokens or give the engine more KV memory"
-            )
-        bad_stop = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad_stop is not None:
-            raise InvalidRequestError(f"stop token id {bad_stop} is outside the vocabulary [0, {self.vocab_size})")
-        bad_bias = next((t for t, _ in params.logit_bias if t >= self.vocab_size), None)
-        if bad_bias is not None:
-            raise InvalidRequestError(
-                f"logit_bias names token id {bad_bias}, outside the vocabulary [0, {self.vocab_size})"
-            )
+        max_tokens = check_request(prompt, params, self.vocab_size, self.max_model_len, self.block_manager)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(

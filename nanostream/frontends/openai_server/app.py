@@ -24,12 +24,12 @@ from nanostream.client.chat_template import check_template_kwargs
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
 from nanostream.errors import InvalidRequestError, NanostreamError
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest
 from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.metrics import Metrics
 from nanostream.frontends.openai_server.protocol import (
     APIError,
     BaseRequest,
-    ChatRequest,
     CompletionRequest,
     api_error,
     bad_request,

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nanostream.frontends.openai_server.protocol import BaseRequest, ChatRequest, bad_request
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest
+from nanostream.frontends.openai_server.protocol import BaseRequest, bad_request
 from nanostream.frontends.openai_server.tool_parsers import ToolParser
 from nanostream.structured_outputs import StructuredOutputsParams
 

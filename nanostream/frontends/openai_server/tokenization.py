@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 import nanostream
 from nanostream.client.chat_template import render_chat
 from nanostream.errors import InvalidRequestError
-from nanostream.frontends.openai_server.protocol import ChatMessage, Int64, Tool, bad_request
+from nanostream.frontends.openai_server.chat_protocol import ChatMessage, Tool
+from nanostream.frontends.openai_server.protocol import Int64, bad_request
 
 
 class TokenizeRequest(BaseModel):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanostream.frontends.openai_server.protocol import BaseRequest, ChatRequest, bad_request
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest
+from nanostream.frontends.openai_server.protocol import BaseRequest, bad_request
 
 _GUIDED = 'use structured_outputs (e.g. {{"structured_outputs": {{"{}": ...}}}}) instead'
 

@@ -1,0 +1,95 @@
+"""The chat endpoint's request body: messages as the chat template gets them, tools and tool_choice,
+template options (pydantic)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanostream.frontends.openai_server.protocol import BaseRequest, Int64, bad_request
+from nanostream.sampling_params import MAX_LOGPROBS
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message as the chat template gets it: every field the client set, the content as text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self, index: int) -> str:
+        """The content as one string; text parts are joined with newlines (as vLLM does)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages[{index}].content has a {part.type!r} part; this server takes only text parts",
+                    f"messages[{index}].content",
+                )
+        return "\n".join(part.text for part in self.content)
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        return {**self.model_dump(exclude_unset=True), "content": self.text(index)}
+
+
+class ChatRequest(BaseRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: set logprobs to true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
