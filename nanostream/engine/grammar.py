@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +124,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._cache: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
-        self._executor: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self._compiler: Any = None  # xgrammar's GrammarCompiler, built by the worker
-        self._lock = threading.Lock()
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar (done at once when cached); it fails with InvalidRequestError."""
@@ -132,10 +134,15 @@ class GrammarCompiler:
         if future is not None:
             self._cache.move_to_end(spec)
             return future
-        if self._executor is None:
-            # One worker: xgrammar spreads a compilation over its own threads.
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="nanostream-grammar")
-        future = self._executor.submit(self._compile, spec)
+        if self._worker is None:
+            # One worker (xgrammar spreads a compilation over threads of its own), a daemon: a compilation
+            # still running never holds up the process's exit.
+            self._worker = threading.Thread(
+                target=_work, args=(self._jobs, weakref.ref(self)), name="nanostream-grammar", daemon=True
+            )
+            self._worker.start()
+        future: Future = Future()
+        self._jobs.put((future, spec))
         self._cache[spec] = future
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -145,27 +152,37 @@ class GrammarCompiler:
         grammar = parse(spec)
         return self._xgrammar_compiler().compile_grammar(grammar)
 
-    def _xgrammar_compiler(self) -> Any:
-        with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-                from transformers import AutoTokenizer
+    def _xgrammar_compiler(self) -> Any:  # on the worker only
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tokenizer,
-                    vocab_size=max(self.vocab_size, len(tokenizer)),
-                    stop_token_ids=sorted(self.eos_token_ids) or None,
-                )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
-                log.info(
-                    "structured outputs: xgrammar ready for %s (vocabulary %d)", self.tokenizer_path, info.vocab_size
-                )
-            return self._compiler
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer,
+                vocab_size=max(self.vocab_size, len(tokenizer)),
+                stop_token_ids=sorted(self.eos_token_ids) or None,
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
+            log.info("structured outputs: xgrammar ready for %s (vocabulary %d)", self.tokenizer_path, info.vocab_size)
+        return self._compiler
 
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+    def __del__(self) -> None:
+        self._jobs.put(None)  # the worker ends
+
+
+def _work(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
+    """The worker: compile each job's spec into its future, until the compiler is gone."""
+    while (job := jobs.get()) is not None:
+        future, spec = job
+        compiler = owner()
+        if compiler is None:
+            return
+        try:
+            future.set_result(compiler._compile(spec))
+        except BaseException as exc:  # the request that waits on it gets the error, the worker goes on
+            future.set_exception(exc)
+        del compiler
 
 
 class GrammarWaitlist:
