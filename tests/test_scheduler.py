@@ -575,3 +575,55 @@ def test_random_workloads_with_aborts_finish_token_exact_and_free_every_block(pi
     # previous one's samples are read (PENDING tokens), as the engine runs.
     preemptions, aborts = zip(*(_random_workload(seed, pipelined) for seed in range(300)))
     assert sum(p > 0 for p in preemptions) > 20 and sum(aborts) > 20  # both paths were exercised
+
+
+class ScriptedGrammar:
+    """A grammar that allows ``allowed`` tokens and terminates once it has taken ``end``."""
+
+    def __init__(self, allowed: set[int], end: int) -> None:
+        self.allowed, self.end, self.taken = allowed, end, []
+
+    def accept(self, token_id: int) -> bool:
+        if token_id not in self.allowed:
+            return False
+        self.taken.append(token_id)
+        return True
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.taken) and self.taken[-1] == self.end
+
+
+def test_a_grammar_takes_each_token_and_ends_the_request_when_it_terminates():
+    sched = make_scheduler()
+    seq = make_seq("a", [1, 2, 3], max_tokens=10)  # no stop tokens (ignore_eos): the grammar ends it
+    seq.grammar = ScriptedGrammar({5, 6, 9}, end=9)
+    sched.add(seq)
+    assert sched.num_constrained == 1
+    assert scripted(sched, {"a": [5, 6, 9, 5]}) == [seq]
+    assert (seq.finish_reason, seq.output_token_ids, seq.grammar.taken) == ("stop", [5, 6, 9], [5, 6, 9])
+    assert sched.num_constrained == 0
+
+
+def test_a_token_the_grammar_refuses_fails_the_request():
+    sched = make_scheduler()
+    seq = make_seq("a", [1, 2, 3], max_tokens=10)
+    seq.grammar = ScriptedGrammar({5}, end=9)
+    sched.add(seq)
+    scripted(sched, {"a": [5, 8, 5]})
+    assert seq.finish_reason == "error" and "breaks the request's grammar" in seq.error
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_request_for_prompt_logprobs_skips_the_prefix_cache_until_they_are_computed():
+    sched = make_scheduler()
+    prompt = list(range(1, 14))  # three full blocks and one token
+    first = make_seq("a", prompt, max_tokens=1)
+    sched.add(first)
+    scripted(sched, {"a": [5]})
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    seq = Sequence("b", prompt, params, max_tokens=1, sampling_seed=0, stop_token_ids=frozenset())
+    sched.add(seq)
+    assert sched.schedule()[0].num_new_tokens == len(prompt)  # all computed again: each position's logits
+    seq.prompt_logprobs = [None] * len(prompt)  # what the runner fills in as the chunks run
+    assert not seq.wants_prompt_logprobs

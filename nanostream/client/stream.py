@@ -149,19 +149,27 @@ class Stream:
         if self._done:
             raise StopAsyncIteration
         await self._start()
+        single = len(self._samples) == 1  # one request: wait, then take, as ever
         try:
             while True:
-                chunk = await self._take()
-                if chunk is not None:
-                    self.produced = self._mailbox.produced
-                    return chunk
-                await self._mailbox.wait()
+                if single:
+                    await self._mailbox.wait()
+                chunk, sample = self._take()
+                if chunk is None:
+                    if not single:  # several: every sample's pending output is taken before waiting
+                        await self._mailbox.wait()
+                    continue
+                followers, sample.followers = sample.followers, []
+                for follower in followers:  # the prompt's blocks are cached now: its other samples go
+                    await self._send(follower)
+                self.produced = self._mailbox.produced
+                return chunk
         except BaseException:
             self._close_now()
             raise
 
-    async def _take(self) -> StreamChunk | None:
-        """The next chunk of any sample that has one, or None."""
+    def _take(self) -> tuple[StreamChunk | None, _Sample | None]:
+        """The next chunk of any sample that has one (and that sample), or (None, None)."""
         open_ = self._open
         for k in range(len(open_)):
             sample = open_[(self._turn + k) % len(open_)]
@@ -173,15 +181,12 @@ class Stream:
             if chunk is None:
                 continue
             self._turn = (self._turn + k + 1) % len(open_)
-            for follower in sample.followers:  # the prompt's blocks are cached now: its other samples go
-                await self._send(follower)
-            sample.followers = []
             if chunk.finish_reason is not None:
                 open_.remove(sample)
                 self.client._forget(sample.request_id)
                 self._done = not open_
-            return chunk
-        return None
+            return chunk, sample
+        return None, None
 
     def _close_now(self) -> None:
         if not self._done:

@@ -245,9 +245,9 @@ class LLMEngine:
         if chunks:
             if self.scheduler.num_constrained:
                 deferred = any(c.samples and c.seq.grammar is not None for c in chunks)
-            launched = self.runner.launch(
-                chunks, self._in_flight[1] if self._in_flight else None, defer_sampling=deferred
-            )
+            prev = self._in_flight[1] if self._in_flight else None
+            lps = self.scheduler.num_prompt_logprobs > 0
+            launched = self.runner.launch(chunks, prev, defer_sampling=deferred, with_prompt_logprobs=lps)
             self.scheduler.launched(chunks)
         # 3. read back the previous step's samples while this one runs; finish requests that stop
         if self._in_flight is not None:

@@ -173,7 +173,7 @@ class ModelRunner:
         else:
             hidden = self._forward(input_ids, positions, meta)
         prompt_logprobs = None
-        if any(c.seq.params.prompt_logprobs is not None for c in chunks):
+        if with_prompt_logprobs:
             prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits)
         seqs = [c.seq for c in chunks if c.samples]
         if not seqs:

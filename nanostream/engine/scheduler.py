@@ -57,6 +57,7 @@ class Scheduler:
         self.num_prefix_hits = 0  # of them, found in the prefix cache at first admission
         self.num_penalized = 0  # requests whose sampling reads their own output (penalties)
         self.num_constrained = 0  # requests with a grammar (structured outputs)
+        self.num_prompt_logprobs = 0  # requests that asked for prompt logprobs
         self.num_waiting_tokens = 0  # tokens of the waiting requests (their prompts, or all a preempted one has)
 
     def __len__(self) -> int:
@@ -70,6 +71,7 @@ class Scheduler:
         self._enqueued(seq)
         self.num_penalized += seq.params.has_penalties
         self.num_constrained += seq.grammar is not None
+        self.num_prompt_logprobs += seq.params.prompt_logprobs is not None
 
     def finish(self, request_id: str, reason: str) -> Sequence | None:
         """End a request in any state and free its blocks at once. Idempotent: unknown ids are ignored."""
@@ -78,6 +80,7 @@ class Scheduler:
             return None
         self.num_penalized -= seq.params.has_penalties
         self.num_constrained -= seq.grammar is not None
+        self.num_prompt_logprobs -= seq.params.prompt_logprobs is not None
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
