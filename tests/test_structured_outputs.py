@@ -181,3 +181,13 @@ def test_unconstrained_steps_stay_pipelined(llm, monkeypatch):
     assert calls and not any(calls)
     llm.generate(PROMPTS, [SamplingParams(max_tokens=5)] * 2 + [constrained(SO(choice=["x y z"]))], use_tqdm=False)
     assert any(calls)
+
+
+def test_a_model_vocabulary_wider_than_the_tokenizer_never_samples_the_padding(tmp_path):
+    from nanostream.testing import make_tiny_model
+
+    padded = LLM(str(make_tiny_model(tmp_path, vocab_size=640, seed=2)), device="cpu", kvcache_block_size=16)
+    assert padded.engine.vocab_size == 640 > len(padded.tokenizer)
+    for out in padded.generate(PROMPTS, constrained(SO(json=PERSON), temperature=1.0, seed=5), use_tqdm=False):
+        jsonschema.validate(json.loads(out.text), PERSON)
+        assert max(out.token_ids) < len(padded.tokenizer)
