@@ -145,9 +145,9 @@ class Reply:
             if c.calls and finish == "stop":
                 finish = "tool_calls"
             choice: dict[str, Any] = {"index": chunk.index, key: body, "logprobs": None}
-            if self.o.top_logprobs is not None and chunk.logprobs:
+            if self.o.top_logprobs is not None and chunk.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, self.o.top_logprobs)
-                visible = True
+                visible = visible or bool(chunk.logprobs)
             if key == "delta" and not (visible or final):
                 return None
         else:
@@ -172,10 +172,8 @@ class Reply:
 
     def _message(self, c: _Choice, chunk: StreamChunk, final: bool, whole: bool) -> tuple[dict[str, Any], bool]:
         """A chat choice's message (``whole``) or delta, and whether it shows anything."""
-        if c.parser is None and not self.o.reasoning:  # plain text, as every chunk always was
-            return ({"role": "assistant", "content": chunk.text} if whole else {"content": chunk.text}), bool(
-                chunk.text
-            )
+        if c.parser is None and not self.o.reasoning:  # plain text: an event per chunk, as ever
+            return ({"role": "assistant", "content": chunk.text} if whole else {"content": chunk.text}), True
         out: dict[str, Any] = {"role": "assistant"} if whole else {}
         if self.o.reasoning and (chunk.reasoning_content or whole):
             out["reasoning_content"] = chunk.reasoning_content or None
