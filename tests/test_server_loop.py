@@ -39,9 +39,9 @@ def record(server: EngineServer) -> list[tuple[str, int]]:
     runner, book = server.engine.runner, server.requests
     launch, route = runner.launch, book.route
 
-    def launching(chunks, *args, **kwargs):
+    def launching(chunks, *args):
         events.append(("launch", len(chunks)))
-        return launch(chunks, *args, **kwargs)
+        return launch(chunks, *args)
 
     def routing(deltas, *args):
         events.append(("route", sum(len(d.token_ids) for d in deltas)))

@@ -170,13 +170,16 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(llm, monkeypatch):
 
 
 def test_unconstrained_steps_stay_pipelined(llm, monkeypatch):
+    """A step with no constrained row is launched as ever (sampling queued with the model); one with such
+    a row defers its sampling until the step in flight has been read."""
     calls = []
     launch = type(llm.engine.runner).launch
-    monkeypatch.setattr(
-        type(llm.engine.runner),
-        "launch",
-        lambda self, *a, **kw: calls.append(kw["defer_sampling"]) or launch(self, *a, **kw),
-    )
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("defer_sampling", False))
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(llm.engine.runner), "launch", spy)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert calls and not any(calls)
     llm.generate(PROMPTS, [SamplingParams(max_tokens=5)] * 2 + [constrained(SO(choice=["x y z"]))], use_tqdm=False)

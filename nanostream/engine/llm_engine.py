@@ -246,8 +246,10 @@ class LLMEngine:
             if self.scheduler.num_constrained:
                 deferred = any(c.samples and c.seq.grammar is not None for c in chunks)
             prev = self._in_flight[1] if self._in_flight else None
-            lps = self.scheduler.num_prompt_logprobs > 0
-            launched = self.runner.launch(chunks, prev, defer_sampling=deferred, with_prompt_logprobs=lps)
+            options = {"defer_sampling": True} if deferred else {}
+            if self.scheduler.num_prompt_logprobs:
+                options["with_prompt_logprobs"] = True
+            launched = self.runner.launch(chunks, prev, **options)
             self.scheduler.launched(chunks)
         # 3. read back the previous step's samples while this one runs; finish requests that stop
         if self._in_flight is not None:
