@@ -24,8 +24,9 @@ from nanostream.errors import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from nanostream.outputs import RequestOutput
+from nanostream.outputs import CompletionOutput, RequestOutput
 from nanostream.sampling_params import SamplingParams
+from nanostream.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from nanostream.llm import LLM
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncClient",
     "ClientClosedError",
     "Completion",
+    "CompletionOutput",
     "ConnectionLostError",
     "EngineBusyError",
     "EngineConfig",
@@ -59,5 +61,6 @@ __all__ = [
     "ServerConfig",
     "Stream",
     "StreamChunk",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
