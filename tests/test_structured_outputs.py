@@ -194,3 +194,15 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_never_samples_the_padding(t
     for out in padded.generate(PROMPTS, constrained(SO(json=PERSON), temperature=1.0, seed=5), use_tqdm=False):
         jsonschema.validate(json.loads(out.text), PERSON)
         assert max(out.token_ids) < len(padded.tokenizer)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_constrained_requests_match_one_rank(qwen3_dir, llm):
+    """At tp=2 rank 0 masks and samples a deferred step, then broadcasts its samples as ever."""
+    params = [constrained(SO(json=PERSON)), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    params.append(constrained(SO(regex=r"[a-z]+( [a-z]+){4}"), temperature=1.0, seed=4, logit_bias={300: 3.0}))
+    reference = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16, tensor_parallel_size=2) as tp:
+        assert [o.token_ids for o in tp.generate(PROMPTS, params, use_tqdm=False)] == reference
+        with pytest.raises(InvalidRequestError, match="prompt_logprobs is not supported with tensor_parallel_size"):
+            tp.generate(PROMPTS[0], SamplingParams(prompt_logprobs=1), use_tqdm=False)

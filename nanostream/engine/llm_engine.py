@@ -140,6 +140,10 @@ class LLMEngine:
         grammar that does not compile ends it with an "error" delta of code "invalid"."""
         prompt = list(prompt_token_ids)
         max_tokens = check_request(prompt, params, self.vocab_size, self.max_model_len, self.block_manager)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError(
+                "prompt_logprobs is not supported with tensor_parallel_size > 1 yet; leave it out or run one rank"
+            )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
