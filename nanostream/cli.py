@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nanostream import discovery
+from nanostream.client.reasoning import REASONING_PARSERS
 from nanostream.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ServerConfig
 from nanostream.errors import EngineDeadError, NanostreamError, RequestFailedError
 from nanostream.sampling_params import SamplingParams
@@ -252,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("NANOSTREAM_API_KEY"),
         help="the OpenAI API's key (default: $NANOSTREAM_API_KEY)",
     )
+    service.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="the OpenAI API's reasoning parser (qwen3: <think> as reasoning_content)",
+    )
+    service.add_argument("--tool-call-parser", help="the OpenAI API's tool-call parser (default: hermes; none)")
     add_config_args(serve, ServerConfig, "server options (NANOSTREAM_ADDRESS / NANOSTREAM_AUTH_TOKEN as defaults)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

@@ -58,6 +58,9 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
             cmd = [sys.executable, "-m", "nanostream", "frontend", name, "--host", args.host, "--port", str(port)]
             if name == "openai" and args.api_key:
                 cmd += ["--api-key", args.api_key]
+            for option in ("reasoning_parser", "tool_call_parser"):  # checked by the frontend's own parser
+                if name == "openai" and getattr(args, option, None):
+                    cmd += ["--" + option.replace("_", "-"), getattr(args, option)]
             children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
             print(f"nanostream: {what} at http://{args.host}:{port}{path}", flush=True)
         while not stopping:
