@@ -126,12 +126,14 @@ def test_bad_config_values(kwargs, match):
 
 
 def test_config_is_frozen_and_resolved_as_a_copy():
-    cfg = EngineConfig(model="m", max_model_len=10**6)
+    cfg = EngineConfig(model="m")
     with pytest.raises(AttributeError):
         cfg.max_num_seqs = 3
     resolved = cfg.resolve(max_position_embeddings=2048, cuda_available=False)
     assert (resolved.max_model_len, resolved.device, resolved.dtype) == (2048, "cpu", "float32")
-    assert cfg.max_model_len == 10**6 and cfg.device == "auto"
+    assert cfg.max_model_len is None and cfg.device == "auto"
+    with pytest.raises(ValueError, match="max_model_len 1000000 exceeds the model's max_position_embeddings"):
+        EngineConfig(model="m", max_model_len=10**6).resolve(max_position_embeddings=2048, cuda_available=False)
     with pytest.raises(ValueError, match="no CUDA GPU"):
         EngineConfig(model="m", device="cuda").resolve(max_position_embeddings=8, cuda_available=False)
 
