@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import inspect
 import itertools
+import json
 import logging
 import os
 import sys
@@ -74,6 +75,55 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, title: str, skip
             )
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, {...}")
+    return value
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``--option`` per ``SamplingParams`` field, described by its docstring; unset options keep its default."""
+    group = parser.add_argument_group("sampling options (SamplingParams)")
+    docs = field_docs(SamplingParams)
+    for field in dataclasses.fields(SamplingParams):
+        if field.name in skip:
+            continue
+        flag, dest = "--" + field.name.replace("_", "-"), "sampling_" + field.name
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        doc = f"{docs[field.name]} (default: {'none' if default in (None, ()) else default})".replace("%", "%%")
+        common = dict(dest=dest, default=argparse.SUPPRESS, help=doc)
+        base = str(field.type).replace(" | None", "")
+        if base == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif field.name == "stop":
+            common["help"] = doc + "; repeat for several"
+            group.add_argument(flag, action="append", metavar="TEXT", **common)
+        elif field.name == "stop_token_ids":
+            group.add_argument(flag, nargs="+", type=int, metavar="ID", **common)
+        elif field.name in ("logit_bias", "structured_outputs"):
+            example = '{"42": -100}' if field.name == "logit_bias" else '{"regex": "[0-9]+"}'
+            common["help"] = f"{doc}, as JSON: {example}"
+            group.add_argument(flag, type=_json_object, metavar="JSON", **common)
+        else:
+            group.add_argument(flag, type=_TYPES[base], metavar=base.upper(), **common)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The ``SamplingParams`` of the sampling options given (``add_sampling_args``)."""
+    from nanostream.structured_outputs import StructuredOutputsParams
+
+    kwargs = {k[len("sampling_") :]: v for k, v in vars(args).items() if k.startswith("sampling_")}
+    if "structured_outputs" in kwargs:
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    if "logit_bias" in kwargs:
+        kwargs["logit_bias"] = {int(k): v for k, v in kwargs["logit_bias"].items()}
+    return SamplingParams(**kwargs)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     add_config_args(parser, EngineConfig, "engine options", skip)
 
@@ -92,17 +142,13 @@ def _generate(args: argparse.Namespace) -> int:
     from nanostream.llm import LLM
 
     model = args.model or str(default_model_dir())
+    params = sampling_params(args)  # a bad value: before the model loads
     llm = LLM(model, **engine_kwargs(args))
-    defaults = SamplingParams()
-    params = SamplingParams(
-        temperature=args.temperature if args.temperature is not None else defaults.temperature,
-        top_p=args.top_p if args.top_p is not None else defaults.top_p,
-        max_tokens=args.max_tokens if args.max_tokens is not None else defaults.max_tokens,
-        seed=args.sampling_seed,
-    )
     prompts = args.prompts or ["In the beginning", "The meaning of life is"]
     for out in llm.generate(prompts, params, use_tqdm=not args.quiet):
-        print(f"\n>>> {out.prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+        print(f"\n>>> {out.prompt}")
+        for sample in out.outputs or [out]:
+            print(f"{sample.text}\n[{len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}]")
     return 0
 
 
@@ -231,12 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate completions offline, in this process")
     gen.add_argument("prompts", nargs="*", help="prompts (default: two short examples)")
     gen.add_argument("--model", help="Hugging Face model directory (default: the embedded demo model)")
-    gen.add_argument("--max-tokens", type=int, help=f"(default: {SamplingParams.max_tokens})")
-    gen.add_argument("--temperature", type=float, help=f"(default: {SamplingParams.temperature}; 0 = greedy)")
-    gen.add_argument("--top-p", type=float, help=f"(default: {SamplingParams.top_p})")
-    gen.add_argument("--sampling-seed", dest="sampling_seed", type=int, help="seed of every request")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_engine_args(gen)
+    add_sampling_args(gen)
+    add_engine_args(gen, skip=("seed",))  # --seed is the requests' (the engine's seeds only requests without one)
     gen.set_defaults(func=_generate)
 
     serve = commands.add_parser("serve", help="run an engine process that clients connect to")
@@ -270,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="Qwen3ForCausalLM",
         help="Qwen3ForCausalLM (default), Qwen2ForCausalLM, LlamaForCausalLM or MistralForCausalLM",
     )
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="seeds the random weights (default: 0)")
     tiny.set_defaults(func=_make_tiny_model)
 
     frontend = commands.add_parser(

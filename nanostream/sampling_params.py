@@ -45,28 +45,47 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
+    """Divides the logits; 0 (or below 1e-5) is greedy decoding."""
     top_k: int = 0
+    """Sample from the k most likely tokens; 0 or -1 (or the vocabulary size or more) keeps every token."""
     top_p: float = 1.0
+    """Sample from the smallest set of most likely tokens whose probabilities add up to this."""
     min_p: float = 0.0
+    """Drop tokens less likely than this fraction of the most likely one."""
     seed: int | None = None
+    """Seeds this request's sampling (its n samples: seed, seed + 1, ...): the same seed, the same output."""
     max_tokens: int | None = 16
+    """Most tokens to generate; None: until max_model_len is full."""
     min_tokens: int = 0
+    """Tokens to generate before EOS, stop tokens or stop strings may end the output."""
     ignore_eos: bool = False
+    """Go on past the model's end-of-sequence token (up to max_tokens)."""
     # The limits in the annotations also hold when the engine decodes a request: an array that is
     # too long is refused from its header, before any of it is allocated.
     stop: Annotated[
         tuple[Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)], ...], Meta(max_length=MAX_STOP_STRINGS)
     ] = field(default=())
+    """Strings that end the output (not included in it); matched in the client across chunks."""
     stop_token_ids: Annotated[tuple[int, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default=())
+    """Token ids that end the output, besides the model's EOS."""
     repetition_penalty: float = 1.0
+    """Above 1 makes tokens already in the prompt or output less likely (divides their logits)."""
     presence_penalty: float = 0.0
+    """Subtracted from the logits of tokens the output already has."""
     frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output already has it."""
     logprobs: int | None = None
+    """Return the log-probability of each sampled token and of the N most likely ones."""
     skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the text."""
     n: int = 1
+    """Samples of the one prompt (they share its KV blocks)."""
     logit_bias: Annotated[tuple[tuple[int, float], ...], Meta(max_length=MAX_LOGIT_BIAS)] = field(default=())
+    """{token id: bias in [-100, 100]} added to the logits before sampling."""
     structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
     prompt_logprobs: int | None = None
+    """Return the log-probabilities of each prompt token (after the first) and of the N most likely ones."""
 
     def __post_init__(self) -> None:
         # Normalise the list-or-string fields so instances stay hashable and comparable.
