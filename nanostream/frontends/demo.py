@@ -39,7 +39,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", type=int, default=2, help="client processes (default: 2)")
     parser.add_argument("--streams", type=int, default=2, help="concurrent streams per process (default: 2)")
     parser.add_argument("--max-tokens", type=int, default=96, help="most tokens per reply (default: 96)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default: 0.8)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     parser.add_argument("--gradio", action="store_true", help="open the Gradio chat app on the engine instead")
     parser.add_argument("--port", type=int, default=7860, help="the Gradio app's port (default: 7860)")
     parser.add_argument("--plain", action="store_true", help="one line per reply instead of the live view")
