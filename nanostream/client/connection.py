@@ -69,22 +69,23 @@ def _load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
 
 
 class _Mailbox:
-    """Where the client's reader leaves one request's deltas: merged into its output processor at
-    once (the reader never waits on the consumer), with an event that wakes the consumer."""
+    """Where the client's reader leaves a stream's deltas: each merged into its request's output
+    processor at once (the reader never waits on the consumer), with one event that wakes the
+    consumer. A stream of n samples has a request, and a processor, per sample."""
 
-    def __init__(self, processor: OutputProcessor) -> None:
-        self.processor = processor
+    def __init__(self, processors: dict[str, OutputProcessor]) -> None:
+        self.processors = processors  # request id -> its processor
         self.failure: BaseException | None = None
         self.produced: float | None = None  # the engine's clock when the newest delta's step ended
         self._event = anyio.Event()
 
     def put(self, delta: p.RequestDelta, produced: float | None = None) -> None:
-        self.processor.put(delta)
+        self.processors[delta.request_id].put(delta)
         self.produced = produced if produced is not None else self.produced
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
-        if not self.processor.ends_pending:  # a request whose last delta is here lost nothing
+        if not all(p.ends_pending for p in self.processors.values()):  # all last deltas here: nothing lost
             self.failure = exc
             self._event.set()
 

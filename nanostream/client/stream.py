@@ -12,13 +12,10 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 
-import anyio
-
 from nanostream.client.connection import Connection, _Mailbox
 from nanostream.client.output_processor import OutputProcessor
 from nanostream.client.samples import sample_params, sample_request_id
 from nanostream.outputs import Completion, StreamChunk
-from nanostream.protocol import RequestDelta
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["Completion", "Stream", "StreamChunk"]
@@ -33,33 +30,6 @@ class _Sample:
         self.request_id, self.prompt, self.params, self.processor = request_id, prompt, params, processor
         self.sent = False
         self.followers: list[_Sample] = []  # the prompt's other samples, sent after this one's first chunk
-
-
-class _SamplesMailbox:
-    """A mailbox (connection.py's ``_Mailbox`` shape) for several requests: each delta goes to its
-    request's processor, and one event wakes the stream."""
-
-    def __init__(self, processors: dict[str, OutputProcessor]) -> None:
-        self.processors = processors
-        self.failure: BaseException | None = None
-        self.produced: float | None = None  # the engine's clock when the newest delta's step ended
-        self._event = anyio.Event()
-
-    def put(self, delta: RequestDelta, produced: float | None = None) -> None:
-        self.processors[delta.request_id].put(delta)
-        self.produced = produced if produced is not None else self.produced
-        self._event.set()
-
-    def fail(self, exc: BaseException) -> None:
-        if not all(p.ends_pending for p in self.processors.values()):
-            self.failure = exc
-            self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        self._event = anyio.Event()
-        if self.failure is not None:
-            raise self.failure
 
 
 class Stream:
@@ -88,7 +58,7 @@ class Stream:
         self.prompts = [prompt_token_ids, *extra_prompts]
         self.params = params
         self.timeout = timeout
-        self._mailbox: _Mailbox | _SamplesMailbox | None = None
+        self._mailbox: _Mailbox | None = None
         self._done = False
         # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
         # engine's host is this process's too (time.monotonic() - stream.produced: the delivery latency).
@@ -131,10 +101,7 @@ class Stream:
     async def _start(self) -> None:
         if self._mailbox is None:
             try:
-                if len(self._samples) == 1:
-                    self._mailbox = _Mailbox(self._samples[0].processor)
-                else:
-                    self._mailbox = _SamplesMailbox({s.request_id: s.processor for s in self._samples})
+                self._mailbox = _Mailbox({s.request_id: s.processor for s in self._samples})
                 for sample in self._leaders:
                     await self._send(sample)
             except BaseException:
