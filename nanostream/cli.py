@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
 import threading
@@ -212,7 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for path in record:
             discovery.unregister(path)
-    return 0
+    return 130 if server.stopped_by == signal.SIGINT else 0  # Ctrl-C, as a shell counts it; SIGTERM: 0
 
 
 STUCK_GRACE = 10.0

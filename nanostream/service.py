@@ -37,8 +37,8 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
             "may use the model",
             file=sys.stderr,
         )
-    stopping = []
-    previous = {sig: signal.signal(sig, lambda *_: stopping.append(True)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stopping: list[int] = []
+    previous = {sig: signal.signal(sig, lambda n, _: stopping.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
     engine = EngineProcess(model, register=True, **options)
     children: list[tuple[str, subprocess.Popen]] = []
     try:
@@ -70,7 +70,7 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
                 if proc.poll() is not None:
                     return _ended(what, proc.returncode)
             time.sleep(_POLL_S)
-        return 0
+        return 130 if stopping[0] == signal.SIGINT else 0  # Ctrl-C, as a shell counts it; SIGTERM: 0
     except KeyboardInterrupt:
         return 130
     finally:

@@ -101,6 +101,7 @@ class EngineServer:
         self.dropped_clients = 0
         self.requests = RequestBook(self.engine, server_config, self.clients)
         self._stop = threading.Event()
+        self.stopped_by: int | None = None  # the signal that stopped serve_forever, if one did
         self.transport = Transport(self.address, max_request_bytes)
         self.address = self.transport.address
 
@@ -115,7 +116,7 @@ class EngineServer:
         self.transport.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self._stop.set())
+                signal.signal(sig, self._on_signal)
         if ready is not None:
             ready(self.address)
         next_beat = time.monotonic()
@@ -153,6 +154,10 @@ class EngineServer:
             raise
         finally:
             self._shutdown(reason)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stopped_by = signum
+        self._stop.set()
 
     def _handle_inputs(self, block: bool) -> None:
         inputs = self.transport.inputs
