@@ -1,21 +1,142 @@
-"""Terminal chat: ``nanostream chat [--engine ADDR]`` streams replies token by token, with the history.
+"""Terminal chat: ``nanostream chat [--engine ADDR] [--system TEXT] [sampling options]``.
 
-Type a message and press Enter. ``/reset`` forgets the conversation, ``/exit`` (or Ctrl-D) leaves.
-Ctrl-C while a reply streams stops it (the engine drops the request at once); Ctrl-C at the prompt
-leaves.
+Replies stream token by token; the conversation so far goes with each message. See ``USAGE`` (also
+the command's ``--help``) for the keys and commands.
+
+The event loop (the client's connection, the streams) runs in a thread of its own, so that the main
+thread can sit in ``input()``: there GNU readline edits the line and Ctrl-C arrives, both of which
+need the main thread.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
+import contextlib
+import dataclasses
+import os
 import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
 
 import anyio
+import anyio.abc
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from nanostream.client import AsyncClient
 from nanostream.errors import ConnectionLostError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
+from nanostream.sampling_params import SamplingParams
+
+PROMPT, MORE = "> ", "... "
+BLOCK = '"""'
+HISTORY_LINES = 1000
+
+USAGE = f"""\
+Type a message and press Enter. A message of several lines starts with {BLOCK} and ends with a line
+that ends with {BLOCK}. Up and Down recall earlier lines, also those of earlier sessions (kept in
+$XDG_STATE_HOME/nanostream/chat_history, by default ~/.local/state/nanostream/chat_history).
+
+/reset forgets the conversation. Ctrl-C while a reply streams stops it (the engine drops the request
+at once). /exit, Ctrl-D or Ctrl-C at the prompt leaves, with exit code 0."""
+
+CHAT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=256)
+"""The chat's defaults: SamplingParams's own, but for these three (its 16 tokens are short for a reply)."""
+
+SAMPLING_HELP = {
+    "temperature": "randomness of each reply; 0 is greedy",
+    "top_p": "sample from the most likely tokens whose probabilities add up to this",
+    "top_k": "sample from this many most likely tokens; 0 or -1 for all",
+    "min_p": "leave out tokens less likely than this times the most likely one",
+    "max_tokens": "most tokens in a reply",
+    "min_tokens": "fewest tokens in a reply before the end-of-sequence token or a stop string may end it",
+    "seed": "seed for each reply's sampling, to repeat a reply (default: a new one each time)",
+    "stop": "end a reply where this text appears (repeat the option for several)",
+    "stop_token_ids": "end a reply at this token id (repeat the option for several)",
+    "ignore_eos": "go on past the end-of-sequence token",
+    "repetition_penalty": "above 1, tokens already in the conversation or reply get less likely",
+    "presence_penalty": "between -2 and 2; above 0, tokens already in the reply get less likely",
+    "frequency_penalty": "between -2 and 2; above 0, tokens get less likely the more often the reply has them",
+    "skip_special_tokens": "leave special tokens out of the reply's text",
+}
+"""The SamplingParams fields the chat takes as options (logprobs: a chat does not show them)."""
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, defaults: SamplingParams) -> None:
+    """One option per field in ``SAMPLING_HELP``, typed from SamplingParams's annotations, showing ``defaults``."""
+    hints = typing.get_type_hints(SamplingParams)
+    group = parser.add_argument_group("sampling options (for every reply)")
+    for name, text in SAMPLING_HELP.items():
+        flag, default, kind = "--" + name.replace("_", "-"), getattr(defaults, name), hints[name]
+        args = typing.get_args(kind)
+        if default not in (None, ()):
+            text += f" (default: {str(default).lower() if kind is bool else default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: the option repeats
+            metavar = args[0].__name__.upper()
+            group.add_argument(
+                flag, type=args[0], action="append", default=argparse.SUPPRESS, metavar=metavar, help=text
+            )
+        else:  # float, int, or int | None
+            base = next(a for a in args if a is not types.NoneType) if args else kind
+            group.add_argument(flag, type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(), help=text)
+
+
+def sampling_from_args(args: argparse.Namespace, defaults: SamplingParams) -> SamplingParams:
+    """``defaults`` with the options given on the command line; ValueError (from SamplingParams) if out of range."""
+    return dataclasses.replace(defaults, **{k: v for k, v in vars(args).items() if k in SAMPLING_HELP})
+
+
+def read_message(read: Callable[[str], str] = input) -> str:
+    """One message: a line, or the lines of a ``\"\"\"`` block without its markers. EOFError and
+    KeyboardInterrupt from ``read`` pass through."""
+    line = read(PROMPT)
+    if not line.lstrip().startswith(BLOCK):
+        return line
+    text = line.lstrip()[len(BLOCK) :]
+    lines = []
+    while not text.rstrip().endswith(BLOCK):
+        lines.append(text)
+        text = read(MORE)
+    lines.append(text.rstrip()[: -len(BLOCK)])
+    if lines[0] == "":  # the block opened on a line of its own
+        lines.pop(0)
+    if lines and lines[-1] == "":  # and closed on one
+        lines.pop()
+    return "\n".join(lines)
+
+
+def history_path() -> Path:
+    """Where the chat keeps the lines typed (the XDG base directory spec's state directory)."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "nanostream" / "chat_history"
+
+
+@contextlib.contextmanager
+def line_editing(path: Path):
+    """Line editing and history for ``input()`` while inside: the lines of earlier sessions are read
+    from ``path`` and this session's are added to it at the end. A file that cannot be read or written
+    is no error: the chat goes on without it."""
+    try:
+        import readline
+    except ImportError:  # a Python built without it: input() still reads lines
+        yield
+        return
+    readline.set_history_length(HISTORY_LINES)
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    before = readline.get_current_history_length()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():  # appended, so that chats at once keep each other's lines
+                readline.append_history_file(readline.get_current_history_length() - before, path)
+            else:
+                readline.write_history_file(path)
 
 
 class TerminalChat(Frontend):
@@ -23,76 +144,95 @@ class TerminalChat(Frontend):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--system", help="system prompt")
-        parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default: 256)")
-        parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
-        parser.add_argument("--top-p", type=float, default=0.95, help="(default: 0.95)")
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = USAGE
+        parser.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
+        add_sampling_arguments(parser, CHAT_SAMPLING)
 
     def run(self, args: argparse.Namespace) -> int:
+        sampling = sampling_from_args(args, CHAT_SAMPLING)  # before connecting: a bad value is the first thing said
+        interactive = sys.stdin.isatty() and sys.stdout.isatty()
         try:
-            return anyio.run(self._chat, args)
-        except KeyboardInterrupt:
-            print()
-            return 0
+            with (
+                line_editing(history_path()) if interactive else contextlib.nullcontext(),
+                start_blocking_portal() as portal,
+                portal.wrap_async_context_manager(AsyncClient(args.engine)) as client,
+            ):
+                print(f"nanostream chat with {client.model} at {client.address}", flush=True)
+                print(f"({BLOCK} starts and ends a message of several lines; /reset, /exit)", flush=True)
+                return self._chat(portal, client, args.system, sampling)
+        except KeyboardInterrupt:  # while connecting
+            print(file=sys.stderr)
+            return 130
 
-    async def _chat(self, args: argparse.Namespace) -> int:
-        from nanostream.client import AsyncClient
+    def _chat(self, portal: BlockingPortal, client: AsyncClient, system: str | None, sampling: SamplingParams) -> int:
+        conversation = [{"role": "system", "content": system}] if system else []
+        while True:
+            try:
+                message = read_message()
+            except (EOFError, KeyboardInterrupt):
+                print(flush=True)
+                return 0
+            if message.strip() == "/exit":
+                return 0
+            if message.strip() == "/reset":
+                del conversation[1 if system else 0 :]
+                print("(conversation forgotten)", flush=True)
+                continue
+            if not message.strip():
+                continue
+            conversation.append({"role": "user", "content": message})
+            try:
+                reply = self._reply(portal, client, conversation, sampling)
+            except EngineDeadError as exc:  # for good: a lost connection comes back on its own (see _stream_reply)
+                print(f"\n[the engine is not answering: {exc}]", file=sys.stderr, flush=True)
+                return 1
+            if reply is None:  # stopped or refused: the message gets no answer
+                conversation.pop()
+            else:
+                conversation.append({"role": "assistant", "content": reply})
 
-        sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        history: list[dict[str, str]] = []
-        async with AsyncClient(args.engine) as client:
-            print(f"nanostream chat with {client.model} at {client.address} (/reset, /exit)", flush=True)
-            while True:
-                line = await anyio.to_thread.run_sync(_read_line)
-                if line is None or line.strip() == "/exit":
-                    return 0
-                if line.strip() == "/reset":
-                    history.clear()
-                    print("(conversation forgotten)", flush=True)
-                    continue
-                if not line.strip():
-                    continue
-                history.append({"role": "user", "content": line})
-                reply = await self._reply(client, system + history, sampling)
-                if reply is None:  # interrupted or refused: the message gets no answer
-                    history.pop()
-                else:
-                    history.append({"role": "assistant", "content": reply})
+    def _reply(
+        self, portal: BlockingPortal, client: AsyncClient, messages: list[dict[str, str]], sampling: SamplingParams
+    ) -> str | None:
+        """Stream one reply, in the loop's thread; Ctrl-C meanwhile stops it. Returns the reply, or
+        None if it has none."""
+        done, scope = portal.start_task(_stream_reply, client, messages, sampling)
+        while True:
+            try:
+                return done.result()
+            except KeyboardInterrupt:  # leaving the stream aborts the request in the engine
+                portal.call(scope.cancel)
 
-    async def _reply(self, client, messages: list[dict[str, str]], sampling: dict) -> str | None:
-        parts: list[str] = []
-        loop = asyncio.get_running_loop()
+
+async def _stream_reply(
+    client: AsyncClient,
+    messages: list[dict[str, str]],
+    sampling: SamplingParams,
+    *,
+    task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
+) -> str | None:
+    parts: list[str] = []
+    with anyio.CancelScope() as scope:
+        task_status.started(scope)
         try:
-            with anyio.CancelScope() as scope:
-                loop.add_signal_handler(signal.SIGINT, scope.cancel)  # Ctrl-C stops this reply only
-                async with client.chat(messages, **sampling) as stream:
-                    async for chunk in stream:
-                        parts.append(chunk.text)
-                        print(chunk.text, end="", flush=True)
+            async with client.chat(messages, sampling) as stream:
+                async for chunk in stream:
+                    parts.append(chunk.text)
+                    print(chunk.text, end="", flush=True)
         except InvalidRequestError as exc:
             print(f"\n[refused: {exc}]", flush=True)
             return None
         except ConnectionLostError as exc:  # the client registers again: the next message may run
             print(f"\n[the connection to the engine was lost: {exc}]", file=sys.stderr, flush=True)
             return None
-        except EngineDeadError as exc:
-            print(f"\n[the engine is not answering: {exc}]", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+        except EngineDeadError:
+            raise
         except NanostreamError as exc:  # busy, timed out, or failed in the engine
             print(f"\n[not finished: {exc}]", flush=True)
             return None
-        finally:
-            loop.remove_signal_handler(signal.SIGINT)  # back to Ctrl-C = leave
-        if scope.cancelled_caught:  # leaving the stream aborted the request in the engine
-            print(" [stopped]", flush=True)
-            return None
-        print(flush=True)
-        return "".join(parts)
-
-
-def _read_line() -> str | None:
-    try:
-        return input("> ")
-    except EOFError:
+    if scope.cancelled_caught:
+        print(" [stopped]", flush=True)
         return None
+    print(flush=True)
+    return "".join(parts)
