@@ -3,7 +3,9 @@
 What a user of the chat relies on: the streamed reply is the model's reply to the whole conversation
 under its chat template and the chosen system prompt, sessions side by side share the engine and get
 their own replies, the stop button frees the engine at once, and a dead engine gets a notice in the chat
-in place of a reply while the session goes on, and replies again once the engine is back.
+in place of a reply while the session goes on, and replies again once the engine is back. Started with no
+engine there, ``nanostream frontend gradio`` says so once on the console and in a banner on the page until
+one answers; a port in use is one line.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -281,3 +288,78 @@ def test_browser_chat_streams_the_reply_and_stops(engine, url, tmp_path):
     assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
     offsite = [u for u in fetched if not u.startswith((url, "data:", "blob:"))]
     assert not offsite, f"the page fetched from elsewhere: {offsite}"
+
+
+def frontend_command(address: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "nanostream", "frontend", "gradio", "--engine", address, "--port", str(port)]
+
+
+def test_a_port_in_use_is_one_line_and_exit_code_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            frontend_command(f"ipc://{tmp_path}/engine.sock", port), capture_output=True, text=True, timeout=120
+        )
+    assert out.returncode == 2
+    (line,) = (out.stdout + out.stderr).strip().splitlines()
+    assert line.endswith(f"port {port} is in use: pass --port")
+
+
+def test_started_with_no_engine_it_says_so_once_then_chats_when_one_answers(qwen3_dir):
+    address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
+    port = free_port()
+    proc = subprocess.Popen(
+        frontend_command(address, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(lambda: any("is not answering" in line for line in lines) or proc.poll() is not None, 60, "a notice")
+        assert lines[:2] == [
+            f"nanostream gradio chat at {url} on the engine at {address} (Ctrl-C stops it)",
+            f"nanostream gradio: the engine at {address} is not answering: "
+            f"start it with `nanostream serve MODEL --address {address}`",
+        ]
+        client = Client(url, verbose=False)
+        banner = client.predict(api_name="/engine_status")  # what the page shows when it loads, and every 5 s
+        assert banner["visible"] and f"The engine at {address} is not answering" in banner["value"]
+
+        with EngineProcess(str(qwen3_dir), address=address, **ENGINE_OPTIONS) as eng:
+            wait_for(lambda: not client.predict(api_name="/engine_status")["visible"], 30, "the banner goes")
+            reply = client.predict(*chat_args("Hello there!"), api_name="/chat")
+            assert reply == greedy_replies(eng.address, [conv("Hello there!")])[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+        reader.join(5)
+    assert code == 0
+    shown = "\n".join(lines)
+    assert sum("is not answering" in line for line in lines) == 1, shown  # said once, not per page or check
+    assert "share=True" not in shown and "httpx" not in shown and "Traceback" not in shown, shown
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"needs Chromium at {CHROMIUM} (apt-get install -y chromium)")
+def test_browser_banner_shows_while_no_engine_answers_and_goes_when_one_does(qwen3_dir):
+    from playwright.sync_api import expect, sync_playwright
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
+    with served(build_app(lambda: AsyncClient(address, timeout=2), sampling=GREEDY)) as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            banner = page.locator("#engine-status")
+            expect(banner).to_contain_text(f"The engine at {address} is not answering", timeout=15_000)
+            expect(banner).to_contain_text(f"nanostream serve MODEL --address {address}")
+            with EngineProcess(str(qwen3_dir), address=address, **ENGINE_OPTIONS):
+                expect(banner).to_be_hidden(timeout=30_000)  # the page's next check, with no reload
+        finally:
+            browser.close()

@@ -10,22 +10,26 @@ or, from Python::
 Every browser session of the app shares one ``AsyncClient`` (so one engine connection serves them
 all); replies stream token by token with the model's chat template applied to the whole
 conversation, and the stop button aborts the request in the engine at once. When the engine is
-not answering the chat says so in place of a reply, and the next message reconnects.
+not answering, a banner above the chat says so (checked when the page loads and every few seconds)
+and so does the chat in place of a reply; the next message reconnects.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
+import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import gradio as gr
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
@@ -44,6 +48,10 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
 NOTICE_TITLE = "⚠️ No reply"
 MAX_TOKENS_SLIDER = 4096  # the slider's top; a reply is also cut to what the model's context has room for
+STATUS_EVERY = 5.0
+"""Seconds between a page's checks of the engine (the banner comes or goes with the next one)."""
+STATUS_WAIT = 3.0
+"""Seconds a check waits for the engine's answer before the banner says it is not answering."""
 
 
 class SharedClient:
@@ -140,6 +148,13 @@ def _not_answering(address: str, exc: BaseException) -> str:
     )
 
 
+def _engine_down(address: str, exc: BaseException) -> str:
+    """One line: what is wrong with the engine at ``address``, and what to do if that is clear."""
+    if isinstance(exc, (EngineDeadError, asyncio.TimeoutError)):  # nobody there, or no answer in time
+        return f"the engine at {address} is not answering: start it with `nanostream serve MODEL --address {address}`"
+    return f"the engine at {address} cannot be used: {exc}"  # it refused this client: its message says why
+
+
 def _with_notice(text: str, notice: str) -> list:
     """The reply so far, then ``notice`` as a titled message (which ``conversation`` leaves out)."""
     message = gr.ChatMessage(content=notice, metadata={"title": NOTICE_TITLE})
@@ -204,34 +219,45 @@ def build_app(
         except NanostreamError as exc:  # busy, timed out or failed in the engine: the next message may run
             yield _with_notice(text, f"The engine did not finish this reply: {exc}")
 
-    async def connect() -> None:
-        """Connect when a page opens, so that its first message does not wait for it."""
-        with contextlib.suppress(Exception):  # the first message reports it
-            await shared.get()
+    async def engine_status() -> gr.Markdown:
+        """The banner: hidden while the engine answers, saying what to do while it does not. (It
+        connects the shared client too, so that a page's first message does not wait for that.)"""
+        try:
+            client = await asyncio.wait_for(shared.get(), STATUS_WAIT)  # (a connection under way goes on)
+            await asyncio.wait_for(client.stats(), STATUS_WAIT)
+        except (NanostreamError, asyncio.TimeoutError) as exc:
+            text = _engine_down(shared.address, exc)
+            return gr.Markdown(f"⚠️ **{text[0].upper()}{text[1:]}**; this notice goes once it answers", visible=True)
+        return gr.Markdown("", visible=False)
 
-    app = gr.ChatInterface(
-        respond,
-        title=title,
-        additional_inputs=[
-            gr.Textbox(system_prompt, label="System prompt", lines=2),
-            gr.Slider(0.0, 2.0, value=sampling.temperature, step=0.05, label="Temperature (0: greedy)"),
-            gr.Slider(0.05, 1.0, value=sampling.top_p, step=0.05, label="Top-p"),
+    with gr.Blocks(title=title, fill_height=True, analytics_enabled=False) as app:
+        banner = gr.Markdown(visible=False, elem_id="engine-status")
+        settings = [  # render=False: ChatInterface places them (else they would show here, above the chat)
+            gr.Textbox(system_prompt, label="System prompt", lines=2, render=False),
+            gr.Slider(0.0, 2.0, value=sampling.temperature, step=0.05, label="Temperature (0: greedy)", render=False),
+            gr.Slider(0.05, 1.0, value=sampling.top_p, step=0.05, label="Top-p", render=False),
             gr.Slider(
                 1,
                 max(MAX_TOKENS_SLIDER, sampling.max_tokens or 0),
                 value=sampling.max_tokens or 512,
                 step=1,
                 label="Max tokens",
+                render=False,
             ),
-        ],
-        additional_inputs_accordion=gr.Accordion("Settings", open=False),
-        concurrency_limit=None,  # every session streams at once: the engine batches them
-        flagging_mode="never",
-        analytics_enabled=False,  # Gradio would report usage to its servers (and check for updates)
-        api_name="chat",
-    )
-    with app:
-        app.load(connect, api_visibility="undocumented", queue=False)
+        ]
+        gr.ChatInterface(
+            respond,
+            title=title,
+            additional_inputs=settings,
+            additional_inputs_accordion=gr.Accordion("Settings", open=False, render=False),
+            concurrency_limit=None,  # every session streams at once: the engine batches them
+            flagging_mode="never",
+            analytics_enabled=False,  # Gradio would report usage to its servers (and check for updates)
+            api_name="chat",
+        )
+        check = dict(fn=engine_status, outputs=banner, queue=False, show_progress="hidden")
+        app.load(**check, api_name="engine_status", api_visibility="undocumented")
+        gr.Timer(STATUS_EVERY).tick(**check, api_visibility="private")
     return app
 
 
@@ -242,21 +268,78 @@ class GradioChat(Frontend):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.epilog = (
+            "While the engine is not answering, a banner on the page says so (checked when a page loads and every "
+            f"{STATUS_EVERY:g} s), and so does the console, once, at start; the chat connects when the engine answers."
+        )
         parser.add_argument("--host", help="interface to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1)")
         parser.add_argument(
-            "--port", type=int, help="port to serve on (default: $GRADIO_SERVER_PORT or the first free one from 7860)"
+            "--port",
+            type=int,
+            help="port to serve on, which must be free (default: $GRADIO_SERVER_PORT or the first free one from 7860)",
         )
         parser.add_argument("--title", default=DEFAULT_TITLE, help="page title (default: %(default)s)")
 
     def run(self, args: argparse.Namespace) -> int:
-        app = build_app(args.engine, title=args.title)
-        app.launch(server_name=args.host, server_port=args.port, share=False, prevent_thread_lock=True)
+        host = args.host or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+        if args.port is not None:
+            check_port(host, args.port)
+        address = args.engine or os.environ.get(ADDRESS_ENV)
+        app = build_app(address, title=args.title)
+        # Gradio's own start-up requests (httpx, at INFO): nothing a user of this command needs to read.
+        for name in ("httpx", "gradio"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        try:  # quiet: no hint about share=True, which this command does not offer
+            app.launch(server_name=host, server_port=args.port, share=False, prevent_thread_lock=True, quiet=True)
+        except OSError:  # taken between the check and Gradio's bind, or no free port in Gradio's range
+            raise ValueError(_port_taken(args.port)) from None
+        print(f"nanostream gradio chat at {app.local_url} on the engine at {address} (Ctrl-C stops it)", flush=True)
         try:
+            problem = engine_problem(address)  # said once here; each page shows it until the engine answers
+            if problem is not None:
+                print(f"nanostream gradio: {problem}", file=sys.stderr, flush=True)
             threading.Event().wait()  # until Ctrl-C
         except KeyboardInterrupt:
             pass
         finally:
             # Not Gradio's own Ctrl-C handling (launch without prevent_thread_lock): it leaves the
             # sessions' heartbeat streams open, and the server waits 5 s for them before giving up.
-            app.close()
+            app.close(verbose=False)
         return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError saying what to change if this process cannot listen on ``host``:``port``."""
+    name = host.strip("[]")  # an IPv6 address as a URL writes it
+    try:
+        family = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        raise ValueError(f"--host {host} is not a name or address of this machine: pass another --host") from None
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no obstacle
+        try:
+            sock.bind((name, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(_port_taken(port)) from None
+            raise ValueError(
+                f"cannot serve on {host} port {port} ({exc.strerror}): pass another --host or --port"
+            ) from None
+
+
+def _port_taken(port: int | None) -> str:
+    return f"port {port} is in use: pass --port" if port is not None else "found no free port: pass --port"
+
+
+def engine_problem(address: str, timeout: float = STATUS_WAIT) -> str | None:
+    """What is wrong with the engine at ``address`` and what to do, in one line; None if it answers."""
+
+    async def probe() -> None:
+        async with AsyncClient(address, timeout=timeout):
+            pass
+
+    try:
+        anyio.run(probe)
+    except NanostreamError as exc:
+        return _engine_down(address, exc)
+    return None
