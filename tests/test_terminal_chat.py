@@ -18,14 +18,9 @@ from anyio.from_thread import start_blocking_portal
 from helpers import wait_engine_idle
 
 from nanostream import AsyncClient, SamplingParams
+from nanostream.cli import sampling_params
 from nanostream.client.launch import EngineProcess
-from nanostream.frontends.terminal_chat import (
-    CHAT_SAMPLING,
-    SAMPLING_HELP,
-    add_sampling_arguments,
-    read_message,
-    sampling_from_args,
-)
+from nanostream.frontends.terminal_chat import CHAT_DEFAULTS, NOT_FOR_CHAT, TerminalChat, read_message
 
 slow = pytest.mark.slow  # engine or chat processes: not in the fast lane
 
@@ -35,26 +30,24 @@ UP, ENTER, CTRL_C, CTRL_D = "\x1b[A", "\r", "\x03", "\x04"
 
 
 def test_every_sampling_field_is_an_option_with_the_chat_defaults():
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert set(SAMPLING_HELP) == fields - {"logprobs"}  # a new field needs its option (and its help)
     parser = argparse.ArgumentParser()
-    add_sampling_arguments(parser, CHAT_SAMPLING)
-    assert sampling_from_args(parser.parse_args([]), CHAT_SAMPLING) == CHAT_SAMPLING
-    given = ["--top-k", "5", "--stop", "\n\n", "--stop", "END", "--stop-token-ids", "7", "--no-skip-special-tokens"]
-    assert sampling_from_args(parser.parse_args([*given, "--seed", "3", "--ignore-eos"]), CHAT_SAMPLING) == (
-        dataclasses.replace(
-            CHAT_SAMPLING,
-            top_k=5,
-            stop=("\n\n", "END"),
-            stop_token_ids=(7,),
-            skip_special_tokens=False,
-            seed=3,
-            ignore_eos=True,
-        )
-    )
+    TerminalChat.add_arguments(parser)
     shown = " ".join(parser.format_help().split())
-    assert "--max-tokens INT most tokens in a reply (default: 256)" in shown
-    assert "(default: 0.7)" in shown and "(default: true)" in shown
+    for field in dataclasses.fields(SamplingParams):  # a new field gets an option, or a reason to have none
+        assert (f"--{field.name.replace('_', '-')} " in shown) != (field.name in NOT_FOR_CHAT), field.name
+    assert "--max-tokens INT Most tokens to generate" in shown and "(default: 256)" in shown
+    assert sampling_params(parser.parse_args([])) == SamplingParams(**CHAT_DEFAULTS)
+    given = ["--temperature", "0", "--top-k", "5", "--stop", "\n\n", "--stop", "END", "--stop-token-ids", "7", "9"]
+    assert sampling_params(parser.parse_args([*given, "--seed", "3", "--no-skip-special-tokens"])) == SamplingParams(
+        temperature=0,
+        top_p=CHAT_DEFAULTS["top_p"],
+        max_tokens=CHAT_DEFAULTS["max_tokens"],
+        top_k=5,
+        stop=("\n\n", "END"),
+        stop_token_ids=(7, 9),
+        seed=3,
+        skip_special_tokens=False,
+    )
 
 
 def test_a_block_between_triple_quotes_is_one_message():

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import sys
-import types
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +21,9 @@ import anyio
 import anyio.abc
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from nanostream.cli import add_sampling_args, field_docs, sampling_params
 from nanostream.client import AsyncClient
+from nanostream.discovery import reachable
 from nanostream.errors import ConnectionLostError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.sampling_params import SamplingParams
@@ -41,52 +40,28 @@ $XDG_STATE_HOME/nanostream/chat_history, by default ~/.local/state/nanostream/ch
 /reset forgets the conversation. Ctrl-C while a reply streams stops it (the engine drops the request
 at once). /exit, Ctrl-D or Ctrl-C at the prompt leaves, with exit code 0."""
 
-CHAT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=256)
-"""The chat's defaults: SamplingParams's own, but for these three (its 16 tokens are short for a reply)."""
-
-SAMPLING_HELP = {
-    "temperature": "randomness of each reply; 0 is greedy",
-    "top_p": "sample from the most likely tokens whose probabilities add up to this",
-    "top_k": "sample from this many most likely tokens; 0 or -1 for all",
-    "min_p": "leave out tokens less likely than this times the most likely one",
-    "max_tokens": "most tokens in a reply",
-    "min_tokens": "fewest tokens in a reply before the end-of-sequence token or a stop string may end it",
-    "seed": "seed for each reply's sampling, to repeat a reply (default: a new one each time)",
-    "stop": "end a reply where this text appears (repeat the option for several)",
-    "stop_token_ids": "end a reply at this token id (repeat the option for several)",
-    "ignore_eos": "go on past the end-of-sequence token",
-    "repetition_penalty": "above 1, tokens already in the conversation or reply get less likely",
-    "presence_penalty": "between -2 and 2; above 0, tokens already in the reply get less likely",
-    "frequency_penalty": "between -2 and 2; above 0, tokens get less likely the more often the reply has them",
-    "skip_special_tokens": "leave special tokens out of the reply's text",
-}
-"""The SamplingParams fields the chat takes as options (logprobs: a chat does not show them)."""
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256}
+"""Where the chat's sampling defaults differ from SamplingParams's (its 16 tokens are short for a reply)."""
+NOT_FOR_CHAT = ("n", "logprobs", "prompt_logprobs")
+"""SamplingParams fields the chat takes no option for: it shows one reply, without log-probabilities."""
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser, defaults: SamplingParams) -> None:
-    """One option per field in ``SAMPLING_HELP``, typed from SamplingParams's annotations, showing ``defaults``."""
-    hints = typing.get_type_hints(SamplingParams)
-    group = parser.add_argument_group("sampling options (for every reply)")
-    for name, text in SAMPLING_HELP.items():
-        flag, default, kind = "--" + name.replace("_", "-"), getattr(defaults, name), hints[name]
-        args = typing.get_args(kind)
-        if default not in (None, ()):
-            text += f" (default: {str(default).lower() if kind is bool else default})"
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        elif typing.get_origin(kind) is tuple:  # tuple[str, ...]: the option repeats
-            metavar = args[0].__name__.upper()
-            group.add_argument(
-                flag, type=args[0], action="append", default=argparse.SUPPRESS, metavar=metavar, help=text
-            )
-        else:  # float, int, or int | None
-            base = next(a for a in args if a is not types.NoneType) if args else kind
-            group.add_argument(flag, type=base, default=argparse.SUPPRESS, metavar=base.__name__.upper(), help=text)
-
-
-def sampling_from_args(args: argparse.Namespace, defaults: SamplingParams) -> SamplingParams:
-    """``defaults`` with the options given on the command line; ValueError (from SamplingParams) if out of range."""
-    return dataclasses.replace(defaults, **{k: v for k, v in vars(args).items() if k in SAMPLING_HELP})
+def add_chat_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling options of ``nanostream generate`` (one per SamplingParams field, described by its
+    docstring), with the chat's own defaults for those in ``CHAT_DEFAULTS``."""
+    docs = field_docs(SamplingParams)
+    group = parser.add_argument_group("sampling options (the chat's defaults)")
+    for name, value in CHAT_DEFAULTS.items():
+        kind = type(value)
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest="sampling_" + name,  # where add_sampling_args puts the others: sampling_params reads them all
+            type=kind,
+            default=value,
+            metavar=kind.__name__.upper(),
+            help=f"{docs[name]} (default: {value})",
+        )
+    add_sampling_args(parser, skip=(*CHAT_DEFAULTS, *NOT_FOR_CHAT))
 
 
 def read_message(read: Callable[[str], str] = input) -> str:
@@ -147,16 +122,21 @@ class TerminalChat(Frontend):
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
         parser.epilog = USAGE
         parser.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
-        add_sampling_arguments(parser, CHAT_SAMPLING)
+        add_chat_sampling_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
-        sampling = sampling_from_args(args, CHAT_SAMPLING)  # before connecting: a bad value is the first thing said
+        sampling = sampling_params(args)  # before connecting: a bad value is the first thing said
+        client = AsyncClient(args.engine)  # (not connected: this finds the address)
+        if not reachable(client.address):  # at once, rather than after the client's timeout
+            raise EngineDeadError(
+                f"no engine answered at {client.address}: start one with `nanostream serve`, or pass its --engine ADDR"
+            )
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         try:
             with (
                 line_editing(history_path()) if interactive else contextlib.nullcontext(),
                 start_blocking_portal() as portal,
-                portal.wrap_async_context_manager(AsyncClient(args.engine)) as client,
+                portal.wrap_async_context_manager(client),
             ):
                 print(f"nanostream chat with {client.model} at {client.address}", flush=True)
                 print(f"({BLOCK} starts and ends a message of several lines; /reset, /exit)", flush=True)
