@@ -325,7 +325,7 @@ def test_started_with_no_engine_it_says_so_once_then_chats_when_one_answers(qwen
         wait_for(lambda: any("is not answering" in line for line in lines) or proc.poll() is not None, 60, "a notice")
         assert lines[:2] == [
             f"nanostream gradio chat at {url} on the engine at {address} (Ctrl-C stops it)",
-            f"nanostream gradio: the engine at {address} is not answering: "
+            f"nanostream frontend gradio: the engine at {address} is not answering: "
             f"start it with `nanostream serve MODEL --address {address}`",
         ]
         client = Client(url, verbose=False)

@@ -29,11 +29,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 import gradio as gr
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
 from nanostream.client.stream import Stream
+from nanostream.discovery import discover, reachable
 from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.sampling_params import SamplingParams
@@ -148,9 +148,14 @@ def _not_answering(address: str, exc: BaseException) -> str:
     )
 
 
-def _engine_down(address: str, exc: BaseException) -> str:
+def engine_address(engine: str | None) -> str:
+    """``engine``, else ``NANOSTREAM_ADDRESS``, else the one local engine (ValueError saying what to do if none)."""
+    return engine or os.environ.get(ADDRESS_ENV) or discover()
+
+
+def _engine_down(address: str, exc: BaseException | None) -> str:
     """One line: what is wrong with the engine at ``address``, and what to do if that is clear."""
-    if isinstance(exc, (EngineDeadError, asyncio.TimeoutError)):  # nobody there, or no answer in time
+    if exc is None or isinstance(exc, (EngineDeadError, asyncio.TimeoutError)):  # nobody there, or no answer
         return f"the engine at {address} is not answering: start it with `nanostream serve MODEL --address {address}`"
     return f"the engine at {address} cannot be used: {exc}"  # it refused this client: its message says why
 
@@ -170,17 +175,15 @@ def build_app(
 ) -> gr.Blocks:
     """A Gradio chat app on the engine at ``engine`` (an address, or a factory of unconnected clients).
 
-    ``engine=None`` reads ``NANOSTREAM_ADDRESS``. The system prompt box and the temperature, top-p and
+    ``engine=None`` reads ``NANOSTREAM_ADDRESS``, else takes the one local engine (``nanostream serve``
+    records its address where local clients look). The system prompt box and the temperature, top-p and
     max-tokens sliders start at ``system_prompt`` and ``sampling``'s values; ``sampling``'s other
     fields (top_k, stop, penalties, ...) apply to every reply. Example::
 
         build_app("ipc:///run/nanostream.sock", sampling=SamplingParams(temperature=0, max_tokens=256)).launch()
     """
     if engine is None or isinstance(engine, str):
-        address = engine or os.environ.get(ADDRESS_ENV)
-        if not address:
-            raise ValueError(f"no engine address: pass build_app(address) or set {ADDRESS_ENV}")
-        engine = functools.partial(AsyncClient, address)
+        engine = functools.partial(AsyncClient, engine_address(engine))
     shared = SharedClient(engine)
 
     async def respond(
@@ -284,7 +287,7 @@ class GradioChat(Frontend):
         host = args.host or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
         if args.port is not None:
             check_port(host, args.port)
-        address = args.engine or os.environ.get(ADDRESS_ENV)
+        address = engine_address(args.engine)
         app = build_app(address, title=args.title)
         # Gradio's own start-up requests (httpx, at INFO): nothing a user of this command needs to read.
         for name in ("httpx", "gradio"):
@@ -295,9 +298,8 @@ class GradioChat(Frontend):
             raise ValueError(_port_taken(args.port)) from None
         print(f"nanostream gradio chat at {app.local_url} on the engine at {address} (Ctrl-C stops it)", flush=True)
         try:
-            problem = engine_problem(address)  # said once here; each page shows it until the engine answers
-            if problem is not None:
-                print(f"nanostream gradio: {problem}", file=sys.stderr, flush=True)
+            if not reachable(address):  # said once here; each page shows it until the engine answers
+                print(f"nanostream frontend gradio: {_engine_down(address, None)}", file=sys.stderr, flush=True)
             threading.Event().wait()  # until Ctrl-C
         except KeyboardInterrupt:
             pass
@@ -329,17 +331,3 @@ def check_port(host: str, port: int) -> None:
 
 def _port_taken(port: int | None) -> str:
     return f"port {port} is in use: pass --port" if port is not None else "found no free port: pass --port"
-
-
-def engine_problem(address: str, timeout: float = STATUS_WAIT) -> str | None:
-    """What is wrong with the engine at ``address`` and what to do, in one line; None if it answers."""
-
-    async def probe() -> None:
-        async with AsyncClient(address, timeout=timeout):
-            pass
-
-    try:
-        anyio.run(probe)
-    except NanostreamError as exc:
-        return _engine_down(address, exc)
-    return None
