@@ -190,10 +190,11 @@ def _serve(args: argparse.Namespace) -> int:
     record = []
 
     def ready(address: str) -> None:
+        if server_config.register:  # found by local clients given no address, until this process stops
+            record.append(discovery.register(address, engine_config.model))  # before "ready": then it is found
         print(f"nanostream engine ready at {address}", flush=True)
         print(f"  clients: AsyncClient({address!r}) or NANOSTREAM_ADDRESS={address}", flush=True)
-        if server_config.register:  # found by local clients given no address, until this process stops
-            record.append(discovery.register(address, engine_config.model))
+        if record:
             print("  local clients given no address (nanostream chat, AsyncClient()) find it", flush=True)
 
     # Everything loaded so far (torch, the model, compiled kernels: ~10^5 objects) lives as long as the
