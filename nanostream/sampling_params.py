@@ -55,7 +55,7 @@ class SamplingParams:
     seed: int | None = None
     """Seeds this request's sampling (its n samples: seed, seed + 1, ...): the same seed, the same output."""
     max_tokens: int | None = 16
-    """Most tokens to generate; None: until max_model_len is full."""
+    """Most tokens to generate (None, in the API: until max_model_len is full)."""
     min_tokens: int = 0
     """Tokens to generate before EOS, stop tokens or stop strings may end the output."""
     ignore_eos: bool = False

@@ -340,7 +340,7 @@ def test_started_with_no_engine_it_says_so_once_then_chats_when_one_answers(qwen
         proc.send_signal(signal.SIGINT)
         code = proc.wait(30)
         reader.join(5)
-    assert code == 0
+    assert code == 130  # Ctrl-C, as a shell counts it
     shown = "\n".join(lines)
     assert sum("is not answering" in line for line in lines) == 1, shown  # said once, not per page or check
     assert "share=True" not in shown and "httpx" not in shown and "Traceback" not in shown, shown

@@ -135,7 +135,7 @@ def test_up_recalls_the_line_before_in_this_session_and_the_next(engine, greedy_
 
     child = chat(engine.address, tmp_path, "--max-tokens", str(MAX_TOKENS))
     assert say(child, UP + ENTER) == "Hello there\n" + first  # a new session: a new conversation
-    assert leave(child, CTRL_C) == 0
+    assert leave(child, CTRL_C) == 130
 
 
 @slow
@@ -160,7 +160,7 @@ def test_ctrl_c_stops_the_reply_in_the_engine_then_leaves_at_the_prompt(engine, 
     child.expect_exact(" [stopped]\r\n> ", timeout=5)
     wait_engine_idle(engine.address, within=2)  # the request was aborted, not left to run
     assert time.monotonic() - start < 5
-    assert leave(child, CTRL_C) == 0
+    assert leave(child, CTRL_C) == 130
 
 
 @slow

@@ -302,12 +302,11 @@ class GradioChat(Frontend):
                 print(f"nanostream frontend gradio: {_engine_down(address, None)}", file=sys.stderr, flush=True)
             threading.Event().wait()  # until Ctrl-C
         except KeyboardInterrupt:
-            pass
+            return 130  # as a shell counts Ctrl-C
         finally:
             # Not Gradio's own Ctrl-C handling (launch without prevent_thread_lock): it leaves the
             # sessions' heartbeat streams open, and the server waits 5 s for them before giving up.
             app.close(verbose=False)
-        return 0
 
 
 def check_port(host: str, port: int) -> None:

@@ -38,7 +38,7 @@ that ends with {BLOCK}. Up and Down recall earlier lines, also those of earlier 
 $XDG_STATE_HOME/nanostream/chat_history, by default ~/.local/state/nanostream/chat_history).
 
 /reset forgets the conversation. Ctrl-C while a reply streams stops it (the engine drops the request
-at once). /exit, Ctrl-D or Ctrl-C at the prompt leaves, with exit code 0."""
+at once). /exit or Ctrl-D at the prompt leaves with exit code 0, Ctrl-C with 130."""
 
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256}
 """Where the chat's sampling defaults differ from SamplingParams's (its 16 tokens are short for a reply)."""
@@ -150,9 +150,12 @@ class TerminalChat(Frontend):
         while True:
             try:
                 message = read_message()
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:  # Ctrl-D
                 print(flush=True)
                 return 0
+            except KeyboardInterrupt:  # Ctrl-C, as a shell counts it
+                print(flush=True)
+                return 130
             if message.strip() == "/exit":
                 return 0
             if message.strip() == "/reset":
