@@ -91,7 +91,8 @@ def test_an_engine_port_in_use_is_one_line(qwen3_dir):
 @pytest.mark.slow
 def test_ctrl_c_during_generate_exits_130_without_a_traceback(qwen3_dir):
     cmd = [sys.executable, "-m", "nanostream", "generate", "--model", str(qwen3_dir), "--device", "cpu"]
-    proc = subprocess.Popen([*cmd, "--max-tokens", "2000", "--ignore-eos", "a", "b"], stderr=subprocess.PIPE, text=True)
+    prompts = [chr(ord("a") + i) for i in range(16)]  # seconds of decoding: the signal comes long before the end
+    proc = subprocess.Popen([*cmd, "--max-tokens", "2000", "--ignore-eos", *prompts], stderr=subprocess.PIPE, text=True)
     seen = ""
     deadline = time.monotonic() + 60
     while "decode" not in seen:  # the progress bar counts decoded tokens: the engine runs
