@@ -48,9 +48,9 @@ from presets import PRESETS, random_model
 from tables import format_table
 
 from nanostream import LLM, SamplingParams
-from nanostream.cli import add_engine_args
-from nanostream.cli import engine_kwargs as engine_args
 from nanostream.config import EngineConfig
+from nanostream.options import add_engine_args
+from nanostream.options import engine_kwargs as engine_args
 
 TEMPERATURE = 0.6
 PROMPT_VOCAB = 10000  # nano-vLLM draws prompt ids below this

@@ -42,8 +42,8 @@ from engine_readings import percentiles
 from stream_clients import Target, stream_client, stream_http
 
 from nanostream import AsyncClient
-from nanostream.cli import add_engine_args
 from nanostream.client.launch import EngineProcess
+from nanostream.options import add_engine_args
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, point: int = 0) -> list[Request]:

@@ -69,9 +69,9 @@ from stream_clients import STARTUP_TIMEOUT, Target, Trace, client_process, param
 from tables import format_table
 
 from nanostream import LLM, AsyncClient
-from nanostream.cli import add_engine_args
 from nanostream.client.launch import EngineProcess
 from nanostream.config import ServerConfig
+from nanostream.options import add_engine_args
 from nanostream.protocol import EngineStats
 
 WARMUP_REQUESTS = 16  # apps/bench.py's warm-up at its default --hf-batch-size

@@ -26,7 +26,7 @@ from bench import add_workload_args, check_workload_args, engine_options, load_w
 from tables import format_table
 
 from nanostream import LLM, SamplingParams
-from nanostream.cli import add_engine_args
+from nanostream.options import add_engine_args
 from nanostream.structured_outputs import StructuredOutputsParams
 
 TEMPERATURE = 0.6

@@ -14,9 +14,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from nanostream.cli import add_engine_args, engine_kwargs
 from nanostream.client.launch import EngineProcess
 from nanostream.frontends.gradio_chat import GradioChat
+from nanostream.options import add_engine_args, engine_kwargs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

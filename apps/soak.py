@@ -42,8 +42,8 @@ import anyio
 import msgspec
 
 from nanostream import AsyncClient, SamplingParams, Stream, StreamChunk
-from nanostream.cli import add_engine_args, engine_kwargs
 from nanostream.client.launch import EngineProcess
+from nanostream.options import add_engine_args, engine_kwargs
 
 CPU_ENGINE: dict[str, Any] = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=96, device="cpu")
 WAYS = ("break", "cancel", "aclose")  # how a stream is left early

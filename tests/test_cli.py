@@ -16,9 +16,10 @@ import time
 import pytest
 
 from nanostream import __version__
-from nanostream.cli import build_parser, field_docs
+from nanostream.cli import build_parser
 from nanostream.client.launch import EngineProcess
 from nanostream.config import EngineConfig, ServerConfig
+from nanostream.options import field_docs
 
 
 def nanostream(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

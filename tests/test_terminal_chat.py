@@ -18,9 +18,9 @@ from anyio.from_thread import start_blocking_portal
 from helpers import wait_engine_idle
 
 from nanostream import AsyncClient, SamplingParams
-from nanostream.cli import sampling_params
 from nanostream.client.launch import EngineProcess
 from nanostream.frontends.terminal_chat import CHAT_DEFAULTS, NOT_FOR_CHAT, TerminalChat, read_message
+from nanostream.options import sampling_params
 
 slow = pytest.mark.slow  # engine or chat processes: not in the fast lane
 

@@ -21,11 +21,11 @@ import anyio
 import anyio.abc
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from nanostream.cli import add_sampling_args, field_docs, sampling_params
 from nanostream.client import AsyncClient
 from nanostream.discovery import reachable
 from nanostream.errors import ConnectionLostError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
+from nanostream.options import add_sampling_args, field_docs, sampling_params
 from nanostream.sampling_params import SamplingParams
 
 PROMPT, MORE = "> ", "... "
