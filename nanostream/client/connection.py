@@ -12,14 +12,10 @@ its connection closes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
-import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,7 +25,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
-from nanostream.client.output_processor import OutputProcessor
+from nanostream.client.mailbox import Mailbox
+from nanostream.client.tokenizer_cache import load_tokenizer as _load_tokenizer
 from nanostream.discovery import discover
 from nanostream.errors import (
     ClientClosedError,
@@ -44,56 +41,6 @@ log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "NANOSTREAM_ADDRESS"
 AUTH_TOKEN_ENV = "NANOSTREAM_AUTH_TOKEN"
-_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nanostream" / "tokenizers"
-
-
-_IMPORT_LOCK = threading.Lock()
-
-
-def _load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
-    """Load the engine's tokenizer from its files, kept in a cache directory named by their digest."""
-    with _IMPORT_LOCK:  # transformers' lazy first import is not thread-safe (clients in several threads)
-        from transformers import AutoTokenizer
-
-    if not files or not all(c in "0123456789abcdef" for c in digest):
-        raise ProtocolError("the engine's welcome names no usable tokenizer")
-    path = _CACHE / digest
-    if not path.is_dir():
-        _CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=_CACHE))
-        for name, data in files.items():
-            (tmp / Path(name).name).write_bytes(data)
-        with contextlib.suppress(OSError):  # another process got there first
-            tmp.rename(path)
-    return AutoTokenizer.from_pretrained(path if path.is_dir() else tmp)
-
-
-class _Mailbox:
-    """Where the client's reader leaves a stream's deltas: each merged into its request's output
-    processor at once (the reader never waits on the consumer), with one event that wakes the
-    consumer. A stream of n samples has a request, and a processor, per sample."""
-
-    def __init__(self, processors: dict[str, OutputProcessor]) -> None:
-        self.processors = processors  # request id -> its processor
-        self.failure: BaseException | None = None
-        self.produced: float | None = None  # the engine's clock when the newest delta's step ended
-        self._event = anyio.Event()
-
-    def put(self, delta: p.RequestDelta, produced: float | None = None) -> None:
-        self.processors[delta.request_id].put(delta)
-        self.produced = produced if produced is not None else self.produced
-        self._event.set()
-
-    def fail(self, exc: BaseException) -> None:
-        if not all(p.ends_pending for p in self.processors.values()):  # all last deltas here: nothing lost
-            self.failure = exc
-            self._event.set()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-        self._event = anyio.Event()
-        if self.failure is not None:
-            raise self.failure
 
 
 class Connection:
@@ -111,7 +58,7 @@ class Connection:
         self.auth_token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV)
         self.client_id = uuid.uuid4().hex[:16]
         self._state = "new"  # new -> connecting -> open -> closing -> closed
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._stats_waiters: list[tuple[anyio.Event, list]] = []
         self._dead: BaseException | None = None  # fatal: the engine refused this client for good
         self._lost: BaseException | None = None  # why the client is not registered now (None: it is)
@@ -365,7 +312,7 @@ class Connection:
 
     async def _submit(
         self,
-        mailbox: _Mailbox,
+        mailbox: Mailbox,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,

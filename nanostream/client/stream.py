@@ -12,7 +12,8 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 
-from nanostream.client.connection import Connection, _Mailbox
+from nanostream.client.connection import Connection
+from nanostream.client.mailbox import Mailbox
 from nanostream.client.output_processor import OutputProcessor
 from nanostream.client.samples import sample_params, sample_request_id
 from nanostream.outputs import Completion, StreamChunk
@@ -58,7 +59,7 @@ class Stream:
         self.prompts = [prompt_token_ids, *extra_prompts]
         self.params = params
         self.timeout = timeout
-        self._mailbox: _Mailbox | None = None
+        self._mailbox: Mailbox | None = None
         self._done = False
         # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
         # engine's host is this process's too (time.monotonic() - stream.produced: the delivery latency).
@@ -101,7 +102,7 @@ class Stream:
     async def _start(self) -> None:
         if self._mailbox is None:
             try:
-                self._mailbox = _Mailbox({s.request_id: s.processor for s in self._samples})
+                self._mailbox = Mailbox({s.request_id: s.processor for s in self._samples})
                 for sample in self._leaders:
                     await self._send(sample)
             except BaseException:
