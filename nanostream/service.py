@@ -39,7 +39,7 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
         )
     stopping: list[int] = []
     previous = {sig: signal.signal(sig, lambda n, _: stopping.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    engine = EngineProcess(model, register=True, **options)
+    engine = EngineProcess(model, **{"register": True, **options})  # found by local clients unless --no-register
     children: list[tuple[str, subprocess.Popen]] = []
     try:
         try:

@@ -86,9 +86,10 @@ def test_serve_with_openai_port_is_the_whole_server_and_sigterm_stops_everything
 
 
 def test_the_service_stops_with_a_message_when_its_engine_dies(qwen3_dir, runtime_dir):
-    proc = serve(qwen3_dir, "--openai-port", str(free_port()))
+    proc = serve(qwen3_dir, "--openai-port", str(free_port()), "--no-register")  # server options pass through
     try:
         ready(proc)
+        assert list(runtime_dir.glob("nanostream/engine-*.json")) == [], "--no-register: no record"
         engine = next(p for p in children(proc.pid) if "serve" in Path(f"/proc/{p}/cmdline").read_text())
         os.kill(engine, signal.SIGKILL)
         code = proc.wait(60)
