@@ -4,7 +4,9 @@ A program handles one (sequence, KV head, split): the G = Hq / Hkv query heads t
 are one [G, D] tile, so each K/V element is read from memory once per step, not once per query head.
 With more than one split, each writes a partial output and its log-sum-exp and a second kernel merges
 them. The split count depends only on the batch size and an upper bound of the context length, so a
-CUDA graph captured at one batch size replays correctly for any context up to that bound.
+CUDA graph captured at one batch size replays correctly for any context up to that bound. It is a
+runtime argument, not a compile-time constant: a mixed step's decode rows come in every batch size and
+context length, and each new constant would compile a kernel (a stall of ~0.3 s) in the serving loop.
 """
 
 from __future__ import annotations
@@ -16,20 +18,23 @@ import triton.language as tl
 from nanostream.kernels._device import LOG2E, num_sms
 from nanostream.kernels.attention_tile import fold_kv_tile
 
+MAX_SPLITS = 64
 
-@triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes every step
+
+# The block-table width and the split count change from step to step: neither may compile a variant.
+@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -62,20 +67,20 @@ def _decode_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     empty = denom == 0.0  # a split past the end of a short sequence
     o = acc / tl.where(empty, 1.0, denom)[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o, mask=out_mask)
     else:
-        # partials: [B, Hq, NUM_SPLITS, D] float32; lse: [B, Hq, NUM_SPLITS] (base 2)
-        row = (b * G * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        # partials: [B, Hq, num_splits, D] float32; lse: [B, Hq, num_splits] (base 2)
+        row = (b * G * tl.num_programs(1) + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_ptr + row[:, None] * D + d[None, :], o, mask=out_mask)
         lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, denom)))
         tl.store(lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, query head): weight each split's output by its share of the mass.
     b = tl.program_id(0)
@@ -83,10 +88,10 @@ def _merge_kernel(
     row = b * num_heads + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))  # the first split is never empty, so the max is finite
-    mask = (s < NUM_SPLITS)[:, None] & (d < D)[None, :]
-    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=mask, other=0.0)
+    mask = (s < num_splits)[:, None] & (d < D)[None, :]
+    part = tl.load(part_ptr + (row * num_splits + s)[:, None] * D + d[None, :], mask=mask, other=0.0)
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o, mask=d < D)
 
@@ -94,7 +99,7 @@ def _merge_kernel(
 def num_decode_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: enough programs to fill the GPU about twice, never a split under 64 tokens."""
     want = -(-2 * num_sms(device) // (batch_size * num_kv_heads))
-    return max(1, min(want, -(-max_seq_len // 64), 64))
+    return max(1, min(want, -(-max_seq_len // 64), MAX_SPLITS))
 
 
 def paged_decode_attention(
@@ -139,13 +144,14 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
+        splits,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
-        BLOCK_N=64, PAGE=page, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_heads,
-            D=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            part, lse, out, out.stride(0), out.stride(1), num_heads, splits,
+            D=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
         )  # fmt: skip
     return out

@@ -134,6 +134,37 @@ def test_torch_compile_leaves_dynamo_config_alone_and_stays_compiled(qwen3_dir):
     assert torch._dynamo.config.get_config_copy() == before
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_serving_compiles_no_triton_kernel_after_start_up(qwen3_dir, enforce_eager):
+    # Requests that arrive while others decode make mixed steps of every decode batch size and context
+    # length, and prompt chunks of every length (a prefix-cache hit leaves one token). A Triton kernel
+    # compiled then stalls every stream for ~0.3 s: start-up must have compiled each one already.
+    from triton import knobs
+
+    llm = LLM(str(qwen3_dir), device="cuda", dtype="bfloat16", attention_backend="triton", kvcache_block_size=16,
+              enforce_eager=enforce_eager, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
+              gpu_memory_utilization=0.3)  # fmt: skip
+    engine, rng, compiled = llm.engine, random.Random(3), []
+    knobs.runtime.jit_post_compile_hook = lambda *, repr, **_: compiled.append(repr)
+    try:
+        shared = [rng.randrange(3, 500) for _ in range(64)]
+        lengths = [1, 2, 3, 5, 9, 17, 31, 33, 63, 65, 100, 127, 129, 300, 511, 700, 1500]
+        prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths] + [shared, [*shared, 7], shared]
+        params = [SamplingParams(temperature=t, max_tokens=rng.randrange(1, 120), ignore_eos=True) for t in (0, 0.8)]
+        finished, added, steps = set(), 0, 0
+        while added < 3 * len(prompts) or engine.has_unfinished():
+            if added < 3 * len(prompts) and steps % 3 == 0:  # one more request every third step
+                engine.add_request(f"r{added}", prompts[added % len(prompts)], params[added % 2])
+                added += 1
+            finished |= {d.request_id for d in engine.step().deltas if d.finish_reason is not None}
+            steps += 1
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert len(finished) == added
+    assert engine.stats().prefix_cache_hits > 0
+    assert compiled == []
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_two_gpus_tensor_parallel_is_token_identical_to_one(qwen3_dir, backend):

@@ -78,6 +78,21 @@ class WarmupChunk:
     samples: bool = True
 
 
+def _warmup_chunk(i: int, num_tokens: int, blocks_per_seq: int, num_computed: int = 0) -> WarmupChunk:
+    """Chunk ``i`` of a made-up sequence that owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq)."""
+    seq = Sequence(
+        f"warmup-{i}",
+        [0] * (num_computed + num_tokens),
+        SamplingParams(),
+        max_tokens=1,
+        sampling_seed=0,
+        stop_token_ids=frozenset(),
+    )
+    seq.num_computed_tokens = num_computed
+    seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+    return WarmupChunk(seq, num_computed, num_tokens)
+
+
 def worst_step(config: EngineConfig) -> tuple[int, list[WarmupChunk]]:
     """The step that peaks memory, as the scheduler makes them, and the KV blocks its chunks use.
 
@@ -88,26 +103,30 @@ def worst_step(config: EngineConfig) -> tuple[int, list[WarmupChunk]]:
     seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
     num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
     blocks_per_seq = -(-seq_len // bs)
-
-    def chunk(i: int, num_tokens: int, num_computed: int = 0) -> WarmupChunk:
-        seq = Sequence(
-            f"warmup-{i}",
-            [0] * (num_computed + num_tokens),
-            SamplingParams(),
-            max_tokens=1,
-            sampling_seed=0,
-            stop_token_ids=frozenset(),
-        )
-        seq.num_computed_tokens = num_computed
-        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        return WarmupChunk(seq, num_computed, num_tokens)
-
-    chunks = [chunk(i, seq_len) for i in range(num_seqs)]
+    chunks = [_warmup_chunk(i, seq_len, blocks_per_seq) for i in range(num_seqs)]
     if seq_len > 1 and num_seqs < cfg.max_num_seqs:
         # The decode row reads one token of context from the last prompt's blocks (not yet written:
         # only the kernels' shapes matter), and takes its token from the first prompt.
-        chunks = [chunk(num_seqs - 1, 1, num_computed=1), chunk(0, seq_len - 1), *chunks[1:]]
+        last = _warmup_chunk(num_seqs - 1, 1, blocks_per_seq, num_computed=1)
+        chunks = [last, _warmup_chunk(0, seq_len - 1, blocks_per_seq), *chunks[1:]]
     return num_seqs * blocks_per_seq, chunks
+
+
+def short_chunk_steps(config: EngineConfig, num_blocks: int) -> list[list[WarmupChunk]]:
+    """Steps of a decode row and one short prompt chunk (1, 2, 4, ... 64 tokens) each, within the first
+    ``num_blocks`` blocks of the pool. Attention kernels size their tiles to a step's longest chunk, and
+    each tile size is one more kernel to compile (a stall of ~0.3 s): run at start-up, these compile
+    them there, not in the middle of serving when a short prompt or a prefix-cache hit first comes."""
+    bs, steps = config.kvcache_block_size, []
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        blocks = -(-(n + 1) // bs)
+        if n + 1 > min(config.max_model_len, config.max_num_batched_tokens) or 2 * blocks > num_blocks:
+            break
+        if config.max_num_seqs < 2:
+            steps.append([_warmup_chunk(0, n, blocks)])
+        else:
+            steps.append([_warmup_chunk(1, 1, blocks, num_computed=1), _warmup_chunk(0, n, blocks)])
+    return steps
 
 
 def measure_cuda_kv_budget(device: torch.device, utilization: float, run_worst_step: Callable[[], None]) -> int:

@@ -31,6 +31,7 @@ from nanostream.engine.kv_pool import (
     kv_block_bytes,
     measure_cuda_kv_budget,
     plan_num_kv_blocks,
+    short_chunk_steps,
     worst_step,
 )
 from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
@@ -106,6 +107,9 @@ class ModelRunner:
         if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
             self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
+        if cuda:  # every rank runs them alike: no control message
+            for chunks in short_chunk_steps(config, self.num_kv_blocks):
+                self.collect(self.launch_local(chunks))
         if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self._forward,
