@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output
+from nanostream.client.detokenizer import IncrementalDetokenizer, decode_output, decoder_of
 from nanostream.testing import build_tokenizer
 
 TEXT = "The river ran 世界 past 🚀🎉 the mill, naïve café — END of the tale 👋🏽 done"
@@ -193,3 +193,20 @@ def test_stream_equals_one_pass_decode_for_any_ids(tok, prompt, ids, chunks, sto
     assert len(tok) == 512
     streamed, offline = detokenize(tok, prompt, ids, tuple(chunks), stop=stop, skip_special_tokens=skip)
     assert streamed == offline
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(0, 511), max_size=12), skip=st.booleans())
+def test_the_rust_decode_gives_the_tokenizers_text(tok, ids, skip):
+    # The incremental path decodes straight through the Rust tokenizer when transformers adds nothing.
+    decode = decoder_of(tok)
+    assert decode.__code__.co_freevars == ("backend",)
+    assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers():
+    tok = build_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    ids = tok("a , b .").input_ids
+    assert decoder_of(tok)(ids, True) == tok.decode(ids, skip_special_tokens=True)
+    assert decoder_of(tok).__code__.co_freevars == ("tokenizer",)

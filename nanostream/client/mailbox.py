@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import anyio
+import asyncio
 
 from nanostream import protocol as p
 from nanostream.client.output_processor import OutputProcessor
@@ -17,20 +17,33 @@ class Mailbox:
         self.processors = processors  # request id -> its processor
         self.failure: BaseException | None = None
         self.produced: float | None = None  # the engine's clock when the newest delta's step ended
-        self._event = anyio.Event()
+        # A flag and the consumer's future while it waits: per token, cheaper than a new anyio.Event.
+        self._ready = False
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: p.RequestDelta, produced: float | None = None) -> None:
         self.processors[delta.request_id].put(delta)
         self.produced = produced if produced is not None else self.produced
-        self._event.set()
+        self._wake()
 
     def fail(self, exc: BaseException) -> None:
         if not all(p.ends_pending for p in self.processors.values()):  # all last deltas here: nothing lost
             self.failure = exc
-            self._event.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        self._ready = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def wait(self) -> None:
-        await self._event.wait()
-        self._event = anyio.Event()
+        """Until something was put or failed since the last wait (at once if it already was)."""
+        if not self._ready:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._ready = False
         if self.failure is not None:
             raise self.failure
