@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> None:
             print(results[-1].line())
         if hf_result:
             results.append(hf_result)
+    if not results:
+        raise SystemExit("bench.py: nothing ran (every backend was skipped)")
     print(summary(results))
 
 

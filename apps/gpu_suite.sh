@@ -13,6 +13,12 @@
 #   bash apps/gpu_suite.sh stream  # apps/bench_stream.py through AsyncClient, 5 rounds of 4x64 and 8x32,
 #                                  #   with a py-spy profile of the engine, ~4 min
 #   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP, then apps/bench_serve.py, ~6 min
+#   bash apps/gpu_suite.sh profile # 3 rounds of 4x64 through AsyncClient and HTTP (4 workers) with py-spy on
+#                                  #   the engine and the frontend workers, then bench_structured under py-spy
+#   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
+#                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
+#   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
+#                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
 # ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py), .gpu/corpus (train).
 # Logs and results go to $OUT (or ./gpu-out); each stage prints a short summary last.
@@ -34,7 +40,8 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 bench=(python3 apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random)
 
 # Every gpu-marked test: one pytest process per kernel test file side by side (Triton compiles on the
-# CPU cores), then the engine tests alone (one of them measures the GPU's free memory).
+# CPU cores), then the engine tests (test_gpu.py, test_gpu_structured.py) alone (one of them measures the
+# GPU's free memory).
 gpu_tests() {
     local f files=(tests/test_kernels.py tests/test_sampling_kernel.py tests/test_flash_attention_backend.py)
     for f in "${files[@]}"; do
@@ -42,9 +49,35 @@ gpu_tests() {
             >"$out/$(basename "$f" .py).log" 2>&1 &
     done
     wait
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 tests/test_gpu.py "$@" >"$out/test_gpu.log" 2>&1
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 tests/test_gpu.py tests/test_gpu_structured.py "$@" \
+        >"$out/test_gpu.log" 2>&1
     for f in "${files[@]}" tests/test_gpu.py; do echo "== $f: $(tail -n 1 "$out/$(basename "$f" .py).log")"; done
     grep -h -E "^(FAILED|ERROR)" "$out"/test_*.log | head -n 20
+}
+
+# Issue 18's cost: the preset's shape with a real-size byte-level BPE vocabulary (TOKENIZER: a dir made by
+# apps/make_bench_tokenizer.py), so that masks cost what a real model's do; SPECS: the runs. --py-spy: the
+# first run under py-spy (the busy loop's own time: masks, sampling, launches).
+structured_bench() {
+    local spec model=/tmp/qwen3-0.6b-tok spy_cmd=()
+    if [ "${1:-}" = --py-spy ]; then
+        shift
+        spy_cmd=("$site/bin/py-spy" record --rate 200 --threads --idle --nonblocking --format raw
+            --output "$out/structured.pyspy" --)
+    fi
+    PYTHONPATH="apps:$PYTHONPATH" python3 -c "from presets import random_model
+with random_model('qwen3-0.6b', {}, '/tmp/qwen3-0.6b-random'): pass"
+    rm -rf "$model" && cp -r /tmp/qwen3-0.6b-random "$model" && cp "${TOKENIZER:-.gpu/tok}"/* "$model"/
+    IFS=';' read -ra specs <<<"${SPECS:---kind json --constrained 0.5;--kind regex --constrained 1.0}"
+    for spec in "${specs[@]}"; do
+        # shellcheck disable=SC2086
+        timeout 200 "${spy_cmd[@]}" python3 apps/bench_structured.py --model "$model" --attention-backend triton \
+            $spec "$@" 2>&1 | grep -v "Loading weights" | tee -a "$out/structured.log" | tail -n 6
+        spy_cmd=()
+    done
+    if [ -f "$out/structured.pyspy" ]; then
+        python3 apps/pyspy_summary.py "$out/structured.pyspy" --top 12 >"$out/structured.txt" 2>&1
+    fi
 }
 
 case "$stage" in
@@ -110,6 +143,44 @@ stream|http)
         grep -E "concurrency|rate|wrote" "$out/serve-http.log" | tail -n 5
         tar -C "$out" -cf "$out/serving.tar" serving serving-http 2>/dev/null && rm -rf "$out/serving" "$out/serving-http"
     fi ;;
+profile)
+    # Where the time goes, for what the figures above do not explain: py-spy on the engine (second
+    # AsyncClient round), on the frontend's workers (second HTTP round) and on bench_structured.
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
+        || tail -n 5 "$out/install.log"
+    pkill -9 -f '[n]anostream serve'
+    spy() {  # spy NAME PID SECONDS [py-spy options]: a raw profile into $out/NAME.pyspy
+        local name=$1 pid=$2 secs=$3; shift 3
+        [ -n "$pid" ] && timeout $((secs + 20)) "$site/bin/py-spy" record --pid "$pid" --duration "$secs" --rate 250 \
+            --threads --idle --nonblocking --format raw --output "$out/$name.pyspy" "$@" >>"$out/pyspy.log" 2>&1
+    }
+    wait_for() { for _ in $(seq 1 300); do grep -q "$1" "$out/profile.log" && return; sleep 1; done; }
+    timeout "${STREAM_S:-220}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+        --attention-backend triton --shapes 4x64 --runs 3 --http-workers 4 "$@" >"$out/profile.log" 2>&1 &
+    bs=$!
+    wait_for "^client [0-9x]* round 0"
+    spy engine "$(grep -o -m1 'engine pid [0-9]*' "$out/profile.log" | awk '{print $3}')" 6
+    wait_for "^http [0-9x]* round 0"
+    spy frontend "$(pgrep -o -f '[n]anostream frontend openai')" 6 --subprocesses
+    wait $bs
+    grep -v -E "INFO|Loading weights" "$out/profile.log" | tail -n 16
+    for f in engine frontend; do
+        [ -f "$out/$f.pyspy" ] && python3 apps/pyspy_summary.py "$out/$f.pyspy" --top 10 >"$out/$f.txt" 2>&1
+    done
+    structured_bench --py-spy ;;
+regress)
+    # Issue 16's check that tp=1 did not regress: the same bench in two checkouts on one warm machine.
+    old=${OLD:-.gpu/old}
+    [ -e "$old/nanostream/kernels" ] || ln -s ../kernels "$old/nanostream/kernels"
+    i=0
+    for side in new old new old; do
+        i=$((i + 1)); dir=$PWD; [ "$side" = old ] && dir=$old
+        (cd "$dir" && PYTHONPATH="$dir:$site" timeout 200 "${bench[@]}" --backends triton --step-stats "$@" 2>&1) \
+            | grep -v "Loading weights" >"$out/regress-$i-$side.log"
+        echo "$side: $(grep -E '^nanostream.*output tok/s' "$out/regress-$i-$side.log" | tail -n 1)" | tee -a "$out/regress.txt"
+    done ;;
+structured)
+    structured_bench "$@" ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac
