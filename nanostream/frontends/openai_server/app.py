@@ -102,7 +102,7 @@ class _Server(Tokenization):
             self.tokens = TokenText(self.client.tokenizer)
             yield
 
-    def check_key(self, request: Request) -> None:
+    async def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
