@@ -62,16 +62,24 @@ _LAX_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
 
 
-def _json_grammar(schema: str | dict, any_whitespace: bool) -> Any:
+# xgrammar 0.2.9 prints U+0080-U+00FF as "\xNN" and reads "\x" with every hex digit after it, so the
+# printed "n\xe9e" of "née" reads back as "n\u0e9e"; compile_grammar() of a Grammar object reads its
+# printed form, and a JSON enum of "née" refused "née". Grammars go to the compiler as text instead, with
+# those escapes written "\u00NN" (fixed width). An escaped backslash is matched first, so "\\x41" stays.
+_HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")
+
+
+def _ebnf(grammar: Any) -> str:
+    """``grammar``'s EBNF text, which reads back as the same grammar."""
+    return _HEX_ESCAPE.sub(lambda m: m.group(0) if m.group(2) is None else "\\u00" + m.group(2), str(grammar))
+
+
+def _json_grammar(schema: str | dict, any_whitespace: bool) -> str:
     import xgrammar as xgr
 
     text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
-    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
-    ebnf = str(grammar)
-    return (
-        xgr.Grammar.from_ebnf(ebnf.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
-        if _LAX_STRING_CHAR in ebnf
-        else grammar
+    return _ebnf(xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)).replace(
+        _LAX_STRING_CHAR, _JSON_STRING_CHAR
     )
 
 
@@ -87,26 +95,30 @@ def _compact_tag(node: Any) -> Any:
         and set(node) <= {"type", "json_schema", "style"}
         and node.get("style", "json") == "json"
     ):
-        return {"type": "grammar", "grammar": str(_json_grammar(node["json_schema"], any_whitespace=False))}
+        return {"type": "grammar", "grammar": _json_grammar(node["json_schema"], any_whitespace=False)}
     return {k: _compact_tag(v) for k, v in node.items()}
 
 
-def parse(spec: StructuredOutputsParams) -> Any:
-    """The xgrammar ``Grammar`` of ``spec``; ``InvalidRequestError`` (saying what is wrong) if it has none."""
+def parse(spec: StructuredOutputsParams) -> str:
+    """The EBNF text of ``spec``'s grammar (parsed, so it is valid); ``InvalidRequestError`` (saying what
+    is wrong) if it has none."""
     import xgrammar as xgr
 
     kind = spec.kind
     try:
         if kind in ("json", "json_object"):
-            return _json_grammar(spec.json if kind == "json" else '{"type": "object"}', spec.any_whitespace)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(spec.regex)
-        if kind == "choice":
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(_ebnf_literal, spec.choice)))
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.grammar)
-        tag = json.loads(spec.structural_tag)
-        return xgr.Grammar.from_structural_tag(json.dumps(tag if spec.any_whitespace else _compact_tag(tag)))
+            text = _json_grammar(spec.json if kind == "json" else '{"type": "object"}', spec.any_whitespace)
+        elif kind == "regex":
+            text = _ebnf(xgr.Grammar.from_regex(spec.regex))
+        elif kind == "choice":
+            text = "root ::= " + " | ".join(map(_ebnf_literal, spec.choice))
+        elif kind == "grammar":
+            text = spec.grammar
+        else:
+            tag = json.loads(spec.structural_tag)
+            text = _ebnf(xgr.Grammar.from_structural_tag(json.dumps(tag if spec.any_whitespace else _compact_tag(tag))))
+        xgr.Grammar.from_ebnf(text)
+        return text
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own JSON and tag errors
         why = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
         raise InvalidRequestError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {why}") from None
@@ -149,8 +161,7 @@ class GrammarCompiler:
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
-        grammar = parse(spec)
-        return self._xgrammar_compiler().compile_grammar(grammar)
+        return self._xgrammar_compiler().compile_grammar(parse(spec))
 
     def _xgrammar_compiler(self) -> Any:  # on the worker only
         if self._compiler is None:
