@@ -177,6 +177,18 @@ def test_stop_string_and_max_tokens(api, llm, model):
     assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 3)
 
 
+def test_text_with_unicode_line_separators_streams_as_whole_events(http, model):
+    # U+2028, U+2029 and NEL may stand raw in JSON, but str.splitlines() (httpx's iter_lines) breaks a
+    # line at each: they go out escaped, so every line of the stream is a whole event. A grammar forces
+    # the text, separators and all.
+    text = "a\u2028b\u2029c\x85d"
+    body = {"model": model, "prompt": "x", "max_tokens": 20, "stream": True, "structured_outputs": {"choice": [text]}}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        payloads = list(events(response))
+    assert payloads[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in payloads[:-1] if e["choices"]) == text
+
+
 def test_concurrent_streams_do_not_mix(api, llm, model):
     prompts = ["Once upon a time", "The river ran", "Seven small boats 🚀 東京", "A stream can end"]
     refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)

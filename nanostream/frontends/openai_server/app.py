@@ -48,9 +48,18 @@ T = TypeVar("T")
 # ---- responses ------------------------------------------------------------------------------------
 
 
+# Characters JSON may carry raw that str.splitlines() breaks a line at: a client that splits the stream
+# that way (httpx's aiter_lines) would get half an event. In UTF-8 they occur only inside strings.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     # msgspec's encoder: a third of json.dumps's time per event, and UTF-8 as is (ensure_ascii=False)
-    return b"data: " + (data.encode() if isinstance(data, str) else msgspec.json.encode(data)) + b"\n\n"
+    body = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    if b"\xc2\x85" in body or b"\xe2\x80" in body:
+        for raw, escaped in _LINE_BREAKS:
+            body = body.replace(raw, escaped)
+    return b"data: " + body + b"\n\n"
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
