@@ -39,7 +39,7 @@ from pathlib import Path
 from bench import PRESETS, PROMPT_VOCAB, Request, engine_options, model_dir
 from bench_stream import openai_frontend
 from engine_readings import percentiles
-from stream_clients import Target, stream_client, stream_http
+from stream_clients import Target, http_session, stream_client, stream_http
 
 from nanostream import AsyncClient
 from nanostream.client.launch import EngineProcess
@@ -113,10 +113,7 @@ async def sweep(args: argparse.Namespace, target: Target, vocab_size: int) -> li
     warmup = make_workload(args, vocab_size, -1)[:8]
     async with contextlib.AsyncExitStack() as stack:
         if target.base_url is not None:
-            import httpx
-
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            http = await stack.enter_async_context(httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits))
+            http = await stack.enter_async_context(http_session())
             one = lambda r: stream_http(http, target, r)
         else:
             client = await stack.enter_async_context(AsyncClient(target.address, timeout=60.0))

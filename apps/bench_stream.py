@@ -17,8 +17,8 @@ What runs, in this order (the two never share the machine):
    shape P×S, P client processes each run S concurrent streams (request i goes to stream i mod P×S;
    a stream runs its requests one after another), ``--runs`` rounds, the engine's counters read
    around each. Then, with ``--http-workers W``, ``--runs`` rounds of the first shape through
-   ``nanostream frontend openai --workers W`` on the same engine, as server-sent events (httpx, as
-   ``vllm bench serve`` reads them).
+   ``nanostream frontend openai --workers W`` on the same engine, as server-sent events (read with
+   aiohttp, as ``vllm bench serve`` reads them, where it is installed; else with httpx).
 
 Every run and round has a workload of its own: apps/bench.py's lengths with fresh prompt ids (the
 first offline run: exactly apps/bench.py's), so that the prefix cache helps none of them.
