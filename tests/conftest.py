@@ -78,3 +78,28 @@ def hf_model_cache():
         return cache[path]
 
     return get
+
+
+# The OpenAI frontend's test modules: each defines ``url``, its server, started with helpers.API_KEY.
+
+
+@pytest.fixture(scope="module")
+def model(qwen3_dir) -> str:
+    return os.path.basename(qwen3_dir)  # the default served name
+
+
+@pytest.fixture(scope="module")
+def api(url):
+    import openai
+    from helpers import API_KEY
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    import httpx
+    from helpers import API_KEY
+
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
+        yield client

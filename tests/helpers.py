@@ -40,6 +40,9 @@ async def wait_idle(client: AsyncClient, within: float) -> float:
         await anyio.sleep(0.02)
 
 
+API_KEY = "sk-test-key"  # what the OpenAI frontend tests start their servers with
+
+
 def run_in_thread(main, *args):
     """``anyio.run(main, *args)`` in a thread of its own (the caller's thread may run an event loop)."""
     with ThreadPoolExecutor(1) as pool:

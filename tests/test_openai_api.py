@@ -10,13 +10,11 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from helpers import engine_processes, run_in_thread, serve_http
+from helpers import API_KEY, engine_processes, run_in_thread, serve_http
 from pydantic import BaseModel, Field
 
 from nanostream import LLM, AsyncClient, SamplingParams
@@ -25,7 +23,6 @@ from nanostream.frontends.openai_server import create_app
 pytestmark = pytest.mark.slow
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
-API_KEY = "sk-test-key"
 PERSON = {
     "type": "object",
     "properties": {
@@ -61,22 +58,6 @@ def url(engine) -> Iterator[str]:
     base, stop = serve_http(create_app(engine, api_key=API_KEY, reasoning_parser="qwen3"))
     yield base
     stop()
-
-
-@pytest.fixture(scope="module")
-def model(qwen3_dir) -> str:
-    return Path(qwen3_dir).name
-
-
-@pytest.fixture(scope="module")
-def api(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,10 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from helpers import engine_processes, serve_http, wait_engine_idle
+from helpers import API_KEY, engine_processes, serve_http, wait_engine_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanostream import LLM, AsyncClient, SamplingParams
@@ -32,7 +30,6 @@ from nanostream.frontends.openai_server import OpenAIServer, create_app
 pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
 
 ENGINE_OPTIONS = dict(kvcache_block_size=16, device="cpu")
-API_KEY = "sk-test-key"
 LONG = {"max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # runs for seconds unless aborted
 ABORT_WITHIN = 3.0  # seconds for a hung-up request to leave the engine
 CONVERSATION = [
@@ -63,22 +60,6 @@ def url(engines) -> Iterator[str]:
     base, stop = serve_http(create_app(engines["main"].address, api_key=API_KEY))
     yield base
     stop()
-
-
-@pytest.fixture(scope="module")
-def model(qwen3_dir) -> str:
-    return Path(qwen3_dir).name  # the default served name
-
-
-@pytest.fixture(scope="module")
-def api(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
-        yield client
 
 
 def events(response: httpx.Response) -> Iterator[dict | str]:
