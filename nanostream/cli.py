@@ -93,11 +93,6 @@ def _serve(args: argparse.Namespace) -> int:
     # process: keep it out of the collector's full passes, which stalled a step for 280 ms on an H200.
     gc.collect()
     gc.freeze()
-    # The io thread waits for the GIL while the busy loop runs Python (scheduling and launching a step:
-    # milliseconds at a batch of 256); CPython makes a waiting thread wait up to the switch interval
-    # (5 ms by default) before the holder lets go. At 0.2 ms a step's outputs leave within a fraction of
-    # a step instead of at the next device synchronisation (docs/streaming.md).
-    sys.setswitchinterval(2e-4)
     try:
         server.serve_forever(ready)
     except (EngineFailure, EngineDeadError) as exc:  # the clients were told; the process says so and exits non-zero

@@ -1,13 +1,12 @@
 """The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
 
-transport.inputs ──▶ busy loop (this thread):
-                       1. handle messages (hello, stats, disconnections; add and abort go to the
-                          RequestBook of engine/requests.py: limits, routing, deadlines)
-                       2. engine.step(): launch a step, read back the previous one's tokens
-                       3. heartbeats, silent clients dropped, requests past their timeout aborted
-                       4. one Outputs per client for everything this iteration produced, encoded
-                          here while the launched step runs on the device
-                     ──▶ transport.flush() ──▶ io thread ──▶ clients
+One thread does it all, each iteration:
+  1. transport.receive(): what clients sent (hello, stats, disconnections; add and abort go to the
+     RequestBook of engine/requests.py: limits, routing, deadlines), waiting only when idle
+  2. engine.step(): launch a step, read back the previous one's tokens
+  3. heartbeats, silent clients dropped, requests past their timeout aborted
+  4. one Outputs per client for everything this iteration produced, encoded and sent
+     (transport.flush()) while the launched step runs on the device
 
 What one client can make the engine hold is bounded: frames by size (transport), requests and
 prompt tokens by ``ServerConfig``'s queue limits (a request past them is refused as "busy"), and a
@@ -20,7 +19,6 @@ import hashlib
 import hmac
 import logging
 import os
-import queue
 import secrets
 import signal
 import tempfile
@@ -43,7 +41,7 @@ _MESSAGES_PER_ITERATION = 1024  # a flood of messages still lets the engine step
 
 
 class EngineFailure(RuntimeError):
-    """The engine cannot go on (a thread of its process died): every client is told, the process exits."""
+    """The engine cannot go on (a tensor-parallel worker died or hung): every client is told, the process exits."""
 
 
 def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
@@ -113,7 +111,6 @@ class EngineServer:
     def serve_forever(self, ready: callable | None = None) -> None:
         """Run until SIGINT/SIGTERM; then end every open request and close cleanly. Raises
         ``EngineFailure`` if the engine cannot go on (after telling every client)."""
-        self.transport.start()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
@@ -125,9 +122,6 @@ class EngineServer:
             while not self._stop.is_set():
                 # 1. messages from clients; wait for one only while there is nothing to compute
                 self._handle_inputs(block=not self.engine.has_unfinished())
-                if self.transport.failure is not None:
-                    reason = f"the engine failed: its socket thread died ({self.transport.failure!r})"
-                    raise EngineFailure(reason) from self.transport.failure
                 if self.engine.failure is not None:  # a tensor-parallel worker died or hung, seen while idle
                     reason = f"the engine failed: {self.engine.failure}"
                     raise EngineFailure(reason)
@@ -141,14 +135,14 @@ class EngineServer:
                     next_beat = now + self.config.heartbeat_interval
                     self._liveness(now)
                 self.requests.expire(now)
-                # 4. one Outputs message per client for everything this iteration produced
+                # 4. one Outputs message per client for everything this iteration produced, sent now
                 self.requests.flush(self._send)
                 self.transport.flush()
-        except Exception as exc:
+        except BaseException as exc:
             if isinstance(exc, EngineDeadError):  # a tensor-parallel rank is gone: no traceback of ours helps
                 reason = f"the engine failed: {exc}"
                 log.error(reason)
-            elif not isinstance(exc, EngineFailure):
+            elif not isinstance(exc, (EngineFailure, KeyboardInterrupt)):
                 log.exception("the engine loop failed")
                 reason = f"the engine failed: {type(exc).__name__}: {exc}"
             raise
@@ -160,20 +154,12 @@ class EngineServer:
         self._stop.set()
 
     def _handle_inputs(self, block: bool) -> None:
-        inputs = self.transport.inputs
-        try:
-            item = inputs.get(timeout=self.config.heartbeat_interval / 2) if block else inputs.get_nowait()
-        except queue.Empty:
-            return
-        for _ in range(_MESSAGES_PER_ITERATION):
+        timeout = self.config.heartbeat_interval / 2 if block else 0.0
+        for identity, message in self.transport.receive(timeout, _MESSAGES_PER_ITERATION):
             try:
-                self._handle(*item)
+                self._handle(identity, message)
             except Exception:  # a bug in handling one message must not cost every client the engine
-                log.exception("handling a %s from client %s failed", type(item[1]).__name__, item[0].hex())
-            try:
-                item = inputs.get_nowait()
-            except queue.Empty:
-                return
+                log.exception("handling a %s from client %s failed", type(message).__name__, identity.hex())
 
     def _handle(self, identity: bytes, message: p.ClientMessage | object) -> None:
         client = self.clients.get(identity)

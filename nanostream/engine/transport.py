@@ -1,20 +1,21 @@
-"""The engine process's socket side: a ZeroMQ ROUTER served by an io thread.
+"""The engine process's socket side: a ZeroMQ ROUTER that the busy loop itself reads and writes.
 
-    ROUTER ──▶ io thread: recv, decode ──▶ ``inputs`` queue ──▶ (the busy loop)
-    ROUTER ◀── io thread: send ◀── inproc PULL ◀── PUSH ◀── ``send()``: encode; ``flush()`` ◀── (the busy loop)
+    ROUTER ──▶ ``receive()``: recv, decode ──▶ (the busy loop handles each message)
+    ROUTER ◀── ``flush()``: one send per queued message ◀── ``send()``: encode ◀── (the busy loop)
 
-Only the io thread touches the ROUTER. The busy loop encodes its outputs itself (msgspec: ~50 µs for
-a step of 256 requests), while the step it has just launched runs on the device, and hands each
-iteration's messages to the io thread as one inproc message: one wake of the io thread per step.
-A thread of its own for encoding would wait for the GIL until the busy loop next blocks (the
-device's synchronisation, up to a step later), and delay every token by that much.
+No thread of its own: a step's outputs leave in the busy loop's ``flush()``, microseconds after the
+step's tokens are read, and nothing in this process competes with the busy loop for the GIL. (An io
+thread did: it needed the GIL to forward each step's outputs, waited for it while the busy loop
+scheduled and launched the next step, and the forced switches slowed the loop's host work.) ZeroMQ's
+own I/O thread, which holds no GIL, moves the bytes; the busy loop reads what arrived between steps,
+at most ``limit`` frames at a time, and a peer that sends faster meets ZeroMQ's receive high-water
+mark, then TCP's flow control.
 
-No frame can stop the io thread: one that fails to decode in any way is answered with a refusal. A
+No frame can stop the engine: one that fails to decode in any way is answered with a refusal. A
 peer that has not been welcomed may send a small hello and nothing else; a welcomed one frames of
-up to ``max_request_bytes`` (ZeroMQ cuts off a peer that sends more). If a thread dies anyway,
-``failure`` says why and the busy loop stops the engine. A peer's disconnection reaches the busy
-loop as ``DISCONNECTED`` (from the ROUTER's monitor, matched to the peer by the connection's file
-descriptor), so a dead client's requests are aborted at once.
+up to ``max_request_bytes`` (ZeroMQ cuts off a peer that sends more). A peer's disconnection reaches
+the busy loop as ``DISCONNECTED`` (from the ROUTER's monitor, matched to the peer by the connection's
+file descriptor), so a dead client's requests are aborted at once.
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ import errno
 import ipaddress
 import logging
 import os
-import queue
 import secrets
 import socket
 import tempfile
-import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -41,10 +40,9 @@ from nanostream.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 DISCONNECTED = object()
-"""Put in ``inputs`` in place of a message when a peer's connection closed."""
+"""Returned by ``receive()`` in place of a message when a peer's connection closed."""
 NOT_READING = object()
-"""Put in ``inputs`` in place of a message when a peer has left its last ``_SNDHWM`` messages unread."""
-_INPUT_QUEUE = 4096  # decoded messages waiting for the busy loop; past this the io thread stops reading
+"""Returned by ``receive()`` in place of a message when a peer has left its last ``_SNDHWM`` messages unread."""
 _RCVHWM = 1000  # frames ZeroMQ buffers per peer before it stops reading that peer's connection
 _SNDHWM = 10_000  # messages (about one per step) a peer may leave unread before the engine drops it
 
@@ -105,14 +103,11 @@ class Transport:
     """
 
     def __init__(self, address: str, max_request_bytes: int = p.MAX_MESSAGE_BYTES) -> None:
-        self.inputs: queue.Queue[tuple[bytes, object]] = queue.Queue(_INPUT_QUEUE)
         self.registered: set[bytes] = set()  # identities the busy loop welcomed (it adds and removes them)
-        self.failure: BaseException | None = None  # why a thread died, if one did
         self.max_request_bytes = max_request_bytes
-        self._outbox: list[bytes] = []  # identity, frame, identity, frame, ...: this iteration's messages
-        self._closing = threading.Event()
+        self._outbox: list[tuple[bytes, bytes]] = []  # (identity, frame): this iteration's messages
+        self._notices: list[tuple[bytes, object]] = []  # NOT_READING found while sending: the next receive()'s
         self._ctx = zmq.Context()
-        self._pipe = f"inproc://nanostream-out-{secrets.token_hex(8)}"
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_request_bytes)
         # A client's reader drains its socket at once (mailboxes merge), so one that leaves _SNDHWM
@@ -125,27 +120,19 @@ class Transport:
         # A peer's disconnection: the monitor names the connection's fd, each frame the fd it came in on.
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._peers: dict[int, bytes] = {}  # fd -> identity of the last frame received on it
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             self.address = self._bind(address)
         except zmq.ZMQError as exc:
-            self._router.disable_monitor()
-            self._monitor.close(linger=0)
-            self._router.close(linger=0)
-            self._ctx.term()
+            self._close_sockets(linger=0)
             hint = (
                 "address in use: stop what listens there or pick another --address"
                 if exc.errno == errno.EADDRINUSE
                 else ""
             )
             raise ValueError(f"cannot bind {address}: {hint or exc}") from None
-        pull = self._ctx.socket(zmq.PULL)
-        pull.bind(self._pipe)
-        self._push = self._ctx.socket(zmq.PUSH)  # the busy loop's end of the pipe
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(self._pipe)
-        self._threads = [
-            threading.Thread(target=self._guard, args=(self._io_loop, pull), name="nanostream-io", daemon=True)
-        ]
 
     def _bind(self, address: str) -> str:
         if address.startswith("tcp://"):
@@ -168,15 +155,41 @@ class Transport:
                 os.rmdir(private)
         return address
 
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
     def register(self, identity: bytes) -> None:
         self.registered.add(identity)
 
     def unregister(self, identity: bytes) -> None:
         self.registered.discard(identity)
+
+    def receive(self, timeout: float, limit: int) -> list[tuple[bytes, object]]:
+        """What peers sent, decoded: (identity, message), or ``DISCONNECTED``/``NOT_READING`` in place of
+        a message. Waits up to ``timeout`` seconds for something to arrive (0: only what is there), and
+        returns at most about ``limit`` items; the rest stay queued in ZeroMQ for the next call. A frame
+        that does not decode is answered with a refusal here and not returned."""
+        received, self._notices = self._notices, []
+        ready = dict(self._poller.poll(0 if received else timeout * 1e3))
+        if self._monitor in ready:  # before the frames: a new peer may reuse a closed one's fd
+            while True:
+                try:
+                    event = self._monitor.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                identity = self._peers.pop(parse_monitor_message(event)["value"], None)
+                if identity is not None:  # a hello still queued in ZeroMQ arrives after it: the client
+                    received.append((identity, DISCONNECTED))  # is then dropped when its silence is seen
+        while self._router in ready and len(received) < limit:
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                message = self._receive(frames)
+            except Exception:  # a bug in handling one frame must not stop the engine hearing
+                log.exception("handling a frame failed")
+                continue
+            if message is not None:
+                received.append((frames[0].bytes, message))
+        return received
 
     def send(self, identity: bytes, message: bytes | p._Message) -> None:
         """Queue a message (or pre-encoded bytes) for one client until ``flush()``; never blocks."""
@@ -185,70 +198,32 @@ class Transport:
         except Exception:  # a bug: lose this message, not the engine
             log.exception("encoding a %s for client %s failed", type(message).__name__, identity.hex())
             return
-        self._outbox += (identity, frame)
+        self._outbox.append((identity, frame))
 
     def flush(self) -> None:
-        """Hand everything queued to the io thread (one inproc message); never blocks."""
-        if self._outbox:
-            with contextlib.suppress(zmq.Again):  # no peer: the io thread is gone, and the engine stops
-                self._push.send_multipart(self._outbox, flags=zmq.NOBLOCK)
-            self._outbox = []
+        """Send everything queued; never blocks. A peer that has left its last ``_SNDHWM`` messages unread
+        comes back from the next ``receive()`` as ``NOT_READING``."""
+        outbox, self._outbox = self._outbox, []
+        for identity, frame in outbox:
+            self._send_now(identity, frame)
 
     def close(self) -> None:
-        """Send everything queued, then close the sockets and remove an ipc socket file."""
-        self._closing.set()
+        """Send everything queued, then close the sockets (ZeroMQ gets up to 2 s to deliver what was sent)
+        and remove an ipc socket file."""
         self.flush()
-        with contextlib.suppress(zmq.Again):  # the end-of-stream marker: the io thread sends what came before
-            self._push.send(b"", flags=zmq.NOBLOCK)
-        self._push.close(linger=0 if self.failure is not None else -1)  # a dead io thread reads nothing
-        for t in self._threads:
-            t.join(timeout=5)
-        self._ctx.term()
+        self._close_sockets(linger=None)
         path = _ipc_path(self.address) if self.address.startswith("ipc://") else None
         if path is not None:
             path.unlink(missing_ok=True)
 
-    def _guard(self, loop, *args) -> None:
-        """Run a thread's loop; if it dies, record why, so that the busy loop stops the engine."""
-        try:
-            loop(*args)
-        except BaseException as exc:
-            if not self._closing.is_set():
-                log.critical("the engine's %s thread died", threading.current_thread().name, exc_info=True)
-                self.failure = exc
+    def _close_sockets(self, linger: int | None) -> None:
+        self._router.disable_monitor()
+        self._monitor.close(linger=0)
+        self._router.close(linger=linger)
+        self._ctx.term()
 
-    def _io_loop(self, pull: zmq.Socket) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll())
-                if self._monitor in events:  # before the frames: a new peer may reuse a closed one's fd
-                    fd = parse_monitor_message(self._monitor.recv_multipart())["value"]
-                    identity = self._peers.pop(fd, None)
-                    if identity is not None:  # after its hello, if that is still queued: both reach the loop
-                        self._put(identity, DISCONNECTED)
-                if pull in events:
-                    frames = pull.recv_multipart(copy=False)
-                    if len(frames) == 1:  # close()'s end-of-stream marker
-                        break
-                    for i in range(0, len(frames), 2):
-                        self._send_now(frames[i : i + 2])
-                if self._router in events:
-                    frames = self._router.recv_multipart(copy=False)
-                    try:
-                        self._receive(frames)
-                    except Exception:  # a bug in handling one frame must not stop the engine hearing
-                        log.exception("handling a frame failed")
-        finally:
-            pull.close(linger=0)
-            self._router.disable_monitor()
-            self._monitor.close(linger=0)
-            self._router.close()
-
-    def _receive(self, frames: list[zmq.Frame]) -> None:
+    def _receive(self, frames: list[zmq.Frame]) -> object | None:
+        """A frame's message, or None when it was refused (the refusal is sent)."""
         identity = frames[0].bytes
         self._peers[frames[-1].get(zmq.SRCFD)] = identity
         welcomed = identity in self.registered
@@ -256,31 +231,28 @@ class Transport:
             if len(frames) != 2:
                 raise ProtocolError(f"expected one frame per message, got {len(frames) - 1}")
             if welcomed:
-                message = p.decode_client_message(frames[1].buffer, self.max_request_bytes)
-            elif len(frames[1]) > p.MAX_HELLO_BYTES:
+                return p.decode_client_message(frames[1].buffer, self.max_request_bytes)
+            if len(frames[1]) > p.MAX_HELLO_BYTES:
                 raise _Unregistered(
                     f"this connection is not registered with the engine: its {len(frames[1])}-byte frame is "
                     "refused unread; say hello first"
                 )
-            else:
-                message = self._decode_unwelcomed(frames[1].buffer)
+            return self._decode_unwelcomed(frames[1].buffer)
         except ProtocolError as exc:
             log.warning("client %s: %s", identity.hex(), exc)
             if isinstance(exc, _Unregistered):
                 refusal = p.Error(str(exc), code="unregistered")
             else:
                 refusal = p.refusal(frames[-1].buffer, exc)
-            self._send_now([identity, p.encode(refusal)])
-            return
-        self._put(identity, message)
+            self._send_now(identity, p.encode(refusal))
+            return None
 
-    def _send_now(self, frames: list) -> None:
-        identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+    def _send_now(self, identity: bytes, frame: bytes) -> None:
         try:
-            self._router.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            self._router.send_multipart((identity, frame), copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer has not read its last _SNDHWM messages
             if identity in self.registered:
-                self._put(identity, NOT_READING)
+                self._notices.append((identity, NOT_READING))
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone; what was owed to it with it
             log.debug("client %s: %s", identity.hex(), exc)
 
@@ -301,11 +273,3 @@ class Transport:
                 "this connection is not registered with the engine (it never said hello, or the engine "
                 "dropped it): say hello first"
             ) from None
-
-    def _put(self, identity: bytes, message: object) -> None:
-        while not self._closing.is_set():
-            try:
-                self.inputs.put((identity, message), timeout=0.1)
-                return
-            except queue.Full:  # the busy loop is behind: stop reading until it catches up
-                continue
