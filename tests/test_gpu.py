@@ -134,6 +134,21 @@ def test_torch_compile_leaves_dynamo_config_alone_and_stays_compiled(qwen3_dir):
     assert torch._dynamo.config.get_config_copy() == before
 
 
+def test_step_uploads_keep_their_values_while_the_device_is_behind():
+    """The upload memory is reused every other step: a half is refilled only once the device is past
+    every copy from it. A device kept busy makes the copies wait; a refill too early would change them."""
+    from nanostream.engine.step_inputs import new_step, to_device
+
+    device = torch.device("cuda")
+    kept = []
+    for step in range(8):
+        new_step(device)
+        torch.cuda._sleep(20_000_000)  # ~10 ms of device time ahead of this step's copies
+        values = [step * 10_000 + i for i in range(4096)]
+        kept.append((values, to_device(values, torch.int64, device)))
+    assert all(t.tolist() == values for values, t in kept)
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_serving_compiles_no_triton_kernel_after_start_up(qwen3_dir, enforce_eager):
     # Requests that arrive while others decode make mixed steps of every decode batch size and context

@@ -38,7 +38,7 @@ from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logp
 from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
 from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, StepInputs, pack_step, to_device
+from nanostream.engine.step_inputs import Chunk, StepInputs, new_step, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
@@ -171,6 +171,7 @@ class ModelRunner:
         constrained rows' grammar masks are known). The sampling parameters are read now either way.
         ``with_prompt_logprobs``: some request wants prompt logprobs (computed for the chunks of those
         that do; refused with tensor parallelism, whose workers do not know of them)."""
+        new_step(self.device)
         input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)

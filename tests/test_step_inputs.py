@@ -1,0 +1,73 @@
+"""A step's uploads (engine/step_inputs.py): host lists reach the device exactly, whatever their size,
+dtype or thread, and the reused host memory never changes a tensor already uploaded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nanostream.engine import step_inputs
+from nanostream.engine.step_inputs import new_step, to_device, to_device_packed
+
+CPU = torch.device("cpu")
+
+
+def test_each_dtype_arrives_exactly_and_packed_views_start_aligned():
+    new_step(CPU)
+    ints = [0, 1, -1, 2**63 - 1, -(2**63)]
+    assert to_device(ints, torch.int64, CPU).tolist() == ints
+    assert to_device([7, -(2**31)], torch.int32, CPU).tolist() == [7, -(2**31)]
+    floats = [0.5, 1e-5, 3.4e38, -2.0]
+    assert to_device(floats, torch.float32, CPU).tolist() == torch.tensor(floats, dtype=torch.float32).tolist()
+    assert to_device([], torch.int64, CPU).tolist() == []
+    a, b, c = to_device_packed(CPU, torch.int64, [1, 2, 3], list(range(17)), [9])
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2, 3], list(range(17)), [9])
+    assert all(t.data_ptr() % 64 == 0 for t in (a, b, c))
+    with pytest.raises(OverflowError):  # a value past the dtype is an error, never wrapped
+        to_device([2**63], torch.int64, CPU)
+
+
+def test_nested_lists_and_other_dtypes_take_the_plain_way():
+    new_step(CPU)
+    assert to_device([[1, 2], [3, 4]], torch.int64, CPU).tolist() == [[1, 2], [3, 4]]
+    assert to_device([1, 0, 1], torch.bool, CPU).tolist() == [True, False, True]
+
+
+def test_a_step_larger_than_the_memory_arrives_and_the_memory_grows_for_it():
+    uploads = step_inputs._uploads(CPU)
+    big = list(range(uploads.halves[0].numel() // 8 + 1000))  # more int64 than a half holds
+    for _ in range(3):  # each half: the plain way the first time, then from the grown memory
+        new_step(CPU)
+        assert to_device(big, torch.int64, CPU).tolist() == big
+    assert min(h.numel() for h in uploads.halves) >= len(big) * 8
+    new_step(CPU)
+    assert uploads.upload(big, torch.int64, CPU) is not None
+
+
+def test_tensors_uploaded_earlier_keep_their_values_when_the_memory_is_reused():
+    kept = []
+    for step in range(6):  # both halves reused several times
+        new_step(CPU)
+        values = [step * 1000 + i for i in range(300)]
+        kept.append((values, to_device(values, torch.int64, CPU)))
+    assert all(t.tolist() == values for values, t in kept)
+
+
+def test_threads_upload_side_by_side_without_mixing_their_values():
+    failures = []
+
+    def work(seed: int) -> None:
+        for step in range(200):
+            new_step(CPU)
+            values = [seed * 10**6 + step * 100 + i for i in range(50)]
+            if to_device(values, torch.int64, CPU).tolist() != values:
+                failures.append((seed, step))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
