@@ -15,6 +15,7 @@
 #   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP, then apps/bench_serve.py, ~6 min
 #   bash apps/gpu_suite.sh profile # 3 rounds of 4x64 through AsyncClient and HTTP (4 workers) with py-spy on
 #                                  #   the engine and the frontend workers, then bench_structured under py-spy
+#   bash apps/gpu_suite.sh interval # bench_stream.py at --stream-interval INTERVALS (4), AsyncClient and HTTP
 #   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
@@ -121,22 +122,29 @@ stream|http)
         bs=$!
         for _ in $(seq 1 300); do grep -q "^client 4x64 round 0" "$out/stream.log" && break; sleep 1; done
         pid=$(grep -o -m1 'engine pid [0-9]*' "$out/stream.log" | awk '{print $3}')
-        if [ -n "$pid" ] && [ -x "$site/bin/py-spy" ]; then
+        if [ -n "$pid" ] && [ -x "$site/bin/py-spy" ]; then  # the engine, and one client process beside it
             timeout 40 "$site/bin/py-spy" record --pid "$pid" --duration 10 --rate 250 --threads --idle --nonblocking \
-                --format raw --output "$out/engine.pyspy" >"$out/pyspy.log" 2>&1 || tail -n 3 "$out/pyspy.log"
+                --format raw --output "$out/engine.pyspy" >"$out/pyspy.log" 2>&1 &
+            spy=$!
+            timeout 40 "$site/bin/py-spy" record --pid "$(pgrep -n -f '[s]pawn_main')" --duration 10 --rate 250 \
+                --idle --nonblocking --format raw --output "$out/client.pyspy" >>"$out/pyspy.log" 2>&1
+            wait $spy
         fi
         wait $bs
         grep -v -E "INFO|Loading weights" "$out/stream.log" | tail -n 40
-        [ -f "$out/engine.pyspy" ] && python3 apps/pyspy_summary.py "$out/engine.pyspy" --top 15 2>&1 | head -n 70
+        [ -f "$out/engine.pyspy" ] && python3 apps/pyspy_summary.py "$out/engine.pyspy" --top 15 2>&1 | head -n 40
+        [ -f "$out/client.pyspy" ] && python3 apps/pyspy_summary.py "$out/client.pyspy" --top 25 >"$out/client.txt" 2>&1
     else
         timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64 --runs 5 \
             --http-workers "${WORKERS:-4}" "$@" >"$out/stream-http.log" 2>&1
         grep -v -E "INFO|Loading weights" "$out/stream-http.log" | tail -n 20
         pkill -9 -f '[n]anostream serve'
-        timeout "${SERVE_S:-120}" python3 apps/bench_serve.py "${common[@]}" --concurrency 1,16,64,256 \
-            --rates 16,64 --max-concurrency 256 --input-len 512 --output-len 128 --out "$out/serving" >"$out/serve.log" 2>&1
-        grep -E "concurrency|rate|wrote" "$out/serve.log" | tail -n 8
-        pkill -9 -f '[n]anostream serve'
+        if [ "${SERVE_S:-120}" != 0 ]; then  # SERVE_S=0: only the HTTP sweep
+            timeout "${SERVE_S:-120}" python3 apps/bench_serve.py "${common[@]}" --concurrency 1,16,64,256 \
+                --rates 16,64 --max-concurrency 256 --input-len 512 --output-len 128 --out "$out/serving" >"$out/serve.log" 2>&1
+            grep -E "concurrency|rate|wrote" "$out/serve.log" | tail -n 8
+            pkill -9 -f '[n]anostream serve'
+        fi
         timeout "${HTTP_S:-100}" python3 apps/bench_serve.py "${common[@]}" --concurrency 16,64,256 \
             --http-workers "${WORKERS:-4}" --input-len 512 --output-len 128 --out "$out/serving-http" \
             >"$out/serve-http.log" 2>&1
@@ -168,6 +176,17 @@ profile)
         [ -f "$out/$f.pyspy" ] && python3 apps/pyspy_summary.py "$out/$f.pyspy" --top 10 >"$out/$f.txt" 2>&1
     done
     structured_bench --py-spy ;;
+interval)
+    # What stream_interval buys at 256 streams: INTERVALS rounds of 4x64 through AsyncClient and HTTP.
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
+        || tail -n 5 "$out/install.log"
+    for si in ${INTERVALS:-4}; do
+        pkill -9 -f '[n]anostream serve'
+        timeout "${STREAM_S:-200}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+            --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-4}" \
+            --stream-interval "$si" "$@" >"$out/interval-$si.log" 2>&1
+        grep -v -E "INFO|Loading weights" "$out/interval-$si.log" | grep -E "^(==|shape|4x64)" | tail -n 8
+    done ;;
 regress)
     # Issue 16's check that tp=1 did not regress: the same bench in two checkouts on one warm machine.
     old=${OLD:-.gpu/old}
