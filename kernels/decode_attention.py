@@ -138,8 +138,8 @@ def paged_decode_attention(
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
+    else:  # unused; float32 all the same, so that the kernel's signature, and its compiled variant, is one
+        part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
         scale * LOG2E,
