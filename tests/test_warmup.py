@@ -14,6 +14,8 @@ def test_short_chunk_steps_cover_each_tile_height_within_the_pool(qwen3_dir):
     steps = short_chunk_steps(config, runner.num_kv_blocks)
     # Each step: a decode row, then a prompt chunk of 1, 2, 4 ... 64 tokens (any tile of up to 128 rows).
     assert [[c.num_new_tokens for c in step] for step in steps] == [[1, n] for n in (1, 2, 4, 8, 16, 32, 64)]
+    # ... and the decode row reads a context the decode kernel splits (over 64 tokens): its merge compiles too
+    assert all(step[0].seq.num_computed_tokens > 64 for step in steps)
     for step in steps:
         blocks = [b for c in step for b in c.seq.block_table]
         assert len(blocks) == len(set(blocks)) and max(blocks) < runner.num_kv_blocks

@@ -118,15 +118,21 @@ def short_chunk_steps(config: EngineConfig, num_blocks: int) -> list[list[Warmup
     each tile size is one more kernel to compile (a stall of ~0.3 s): run at start-up, these compile
     them there, not in the middle of serving when a short prompt or a prefix-cache hit first comes."""
     bs, steps = config.kvcache_block_size, []
+    # The decode row's context is long enough to be split (the split kernels' merge compiles too),
+    # where the pool and the model's length allow.
+    context = min(_SPLIT_CONTEXT, config.max_model_len - 1, max(1, num_blocks // 2 * bs - 1))
     for n in (1, 2, 4, 8, 16, 32, 64):
-        blocks = -(-(n + 1) // bs)
+        blocks = -(-(max(n, context) + 1) // bs)
         if n + 1 > min(config.max_model_len, config.max_num_batched_tokens) or 2 * blocks > num_blocks:
             break
         if config.max_num_seqs < 2:
             steps.append([_warmup_chunk(0, n, blocks)])
         else:
-            steps.append([_warmup_chunk(1, 1, blocks, num_computed=1), _warmup_chunk(0, n, blocks)])
+            steps.append([_warmup_chunk(1, 1, blocks, num_computed=context), _warmup_chunk(0, n, blocks)])
     return steps
+
+
+_SPLIT_CONTEXT = 256  # tokens of context: a decode row the decode kernel splits (past 64 per split)
 
 
 def measure_cuda_kv_budget(device: torch.device, utilization: float, run_worst_step: Callable[[], None]) -> int:
