@@ -160,7 +160,9 @@ def test_serving_compiles_no_triton_kernel_after_start_up(qwen3_dir, enforce_eag
               enforce_eager=enforce_eager, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=2048,
               kv_cache_memory_bytes=256 << 20)  # fmt: skip
     engine, rng, compiled = llm.engine, random.Random(3), []
-    knobs.runtime.jit_post_compile_hook = lambda *, fn, key, **_: compiled.append(f"{getattr(fn, '__name__', fn)}: {key}")
+    knobs.runtime.jit_post_compile_hook = lambda *, fn, key, **_: compiled.append(
+        f"{getattr(fn, '__name__', fn)} {key}"
+    )
     try:
         shared = [rng.randrange(3, 500) for _ in range(64)]
         lengths = [1, 2, 3, 5, 9, 17, 31, 33, 63, 65, 100, 127, 129, 300, 511, 700, 1500]
