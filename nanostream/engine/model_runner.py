@@ -104,6 +104,8 @@ class ModelRunner:
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
+        if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
+            self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
         if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
             self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
@@ -129,14 +131,16 @@ class ModelRunner:
         return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads)
 
     def _cuda_kv_budget(self) -> int:
+        return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, self._run_worst_step)
+
+    def _run_worst_step(self) -> None:
+        """The step that peaks memory, on a pool of its own (freed after): it measures the KV budget, and it
+        compiles the kernels of the longest prompt chunks (the largest attention tiles, FlashAttention-4's
+        variants) at start-up, not when the first long prompt comes."""
         num_blocks, chunks = worst_step(self.config)
-
-        def run() -> None:
-            self.kv_caches = self._allocate_kv(num_blocks)
-            self.collect(self.launch_local(chunks))  # every rank runs it: no control message
-            del self.kv_caches
-
-        return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, run)
+        self.kv_caches = self._allocate_kv(num_blocks)
+        self.collect(self.launch_local(chunks))  # every rank runs it: no control message
+        del self.kv_caches
 
     # ---- one step ------------------------------------------------------------------------------
 
