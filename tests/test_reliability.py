@@ -237,6 +237,51 @@ async def test_a_flood_is_refused_as_busy_and_the_accepted_requests_run_exactly(
 
 
 @pytest.mark.anyio
+async def test_requests_waiting_for_their_grammar_count_as_waiting(qwen3_dir, monkeypatch):
+    """A constrained request waits before the scheduler while its grammar compiles: the stats show it,
+    and the queue limits count it (a flood of slow grammars is refused as busy like any other)."""
+    from nanostream.engine import grammar as grammar_module
+    from nanostream.engine.server import EngineServer
+    from nanostream.structured_outputs import StructuredOutputsParams
+
+    release = threading.Event()
+    compile_ = grammar_module.GrammarCompiler._compile
+    monkeypatch.setattr(
+        grammar_module.GrammarCompiler, "_compile", lambda self, s: release.wait(30) and compile_(self, s)
+    )
+    address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
+    server = EngineServer(
+        EngineConfig(model=str(qwen3_dir), **ENGINE_OPTIONS), ServerConfig(address=address, max_num_queued_reqs=2)
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        async with AsyncClient(address, timeout=5) as client:
+            params = dict(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}"))
+            outputs: list = []
+
+            async def constrained(prompt: list[int]) -> None:
+                outputs.append(await client.generate(prompt, **params))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(constrained, [5, 6, 7])
+                tg.start_soon(constrained, [8, 9, 10, 11])
+                with anyio.fail_after(5):
+                    while (stats := await client.stats()).waiting < 2:
+                        await anyio.sleep(0.01)
+                assert (stats.waiting, stats.waiting_tokens, stats.running) == (2, 7, 0)
+                with pytest.raises(EngineBusyError, match="2 requests wait to run"):
+                    await client.generate([12, 13], **GREEDY)
+                release.set()
+            assert sorted(len(o.text) for o in outputs) == [4, 4] and all(o.text.isdigit() for o in outputs)
+            assert (await client.stats()).waiting == 0
+    finally:
+        release.set()
+        server._stop.set()
+        thread.join(10)
+
+
+@pytest.mark.anyio
 async def test_what_one_client_sends_does_not_grow_the_engine(engines, zctx):
     """300 adds of 20,000 stop strings each, and one add of 30 million ids."""
     engine = engines["main"]

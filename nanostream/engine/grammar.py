@@ -203,6 +203,7 @@ class GrammarWaitlist:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._waiting: dict[str, tuple[Sequence, Future]] = {}
+        self.num_prompt_tokens = 0  # of the requests waiting here
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -218,11 +219,15 @@ class GrammarWaitlist:
             self._attach(seq, future.result())  # raises what the compilation raised
             return True
         self._waiting[seq.request_id] = (seq, future)
+        self.num_prompt_tokens += seq.num_prompt_tokens
         return False
 
     def pop(self, request_id: str) -> Sequence | None:
         entry = self._waiting.pop(request_id, None)
-        return entry[0] if entry else None
+        if entry is None:
+            return None
+        self.num_prompt_tokens -= entry[0].num_prompt_tokens
+        return entry[0]
 
     def take_ready(self, wait: float = 0.0) -> list[tuple[Sequence, Exception | None]]:
         """The requests whose compilation ended (waiting up to ``wait`` seconds for one), each with
@@ -233,6 +238,7 @@ class GrammarWaitlist:
         for rid, (seq, future) in list(self._waiting.items()):
             if future.done():
                 del self._waiting[rid]
+                self.num_prompt_tokens -= seq.num_prompt_tokens
                 try:
                     self._attach(seq, future.result())
                 except Exception as exc:

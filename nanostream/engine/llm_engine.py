@@ -196,6 +196,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return len(self.scheduler) > 0 or len(self.grammar_waitlist) > 0
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests that do not run yet: queued in the scheduler, or waiting for their grammar to compile."""
+        return len(self.scheduler.waiting) + len(self.grammar_waitlist)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the requests that do not run yet (preempted ones: every token they hold)."""
+        return self.scheduler.num_waiting_tokens + self.grammar_waitlist.num_prompt_tokens
+
     def step(self) -> StepResult:
         """Launch one step and return what the previous one produced (read back while this one runs).
 

@@ -92,12 +92,12 @@ class RequestBook:
 
     def _busy(self, client: Client, num_tokens: int) -> str | None:
         """Why a request of ``num_tokens`` prompt tokens cannot be queued now, or None if it can."""
-        c, sched = self.config, self.engine.scheduler
-        if len(sched.waiting) >= c.max_num_queued_reqs:
-            return f"the engine is busy: {len(sched.waiting)} requests wait to run (--max-num-queued-reqs); retry later"
-        if sched.waiting and sched.num_waiting_tokens + num_tokens > c.max_num_queued_tokens:
+        c, waiting, waiting_tokens = self.config, self.engine.num_waiting, self.engine.num_waiting_tokens
+        if waiting >= c.max_num_queued_reqs:
+            return f"the engine is busy: {waiting} requests wait to run (--max-num-queued-reqs); retry later"
+        if waiting and waiting_tokens + num_tokens > c.max_num_queued_tokens:
             return (
-                f"the engine is busy: {sched.num_waiting_tokens} prompt tokens wait to run and this request "
+                f"the engine is busy: {waiting_tokens} prompt tokens wait to run and this request "
                 f"adds {num_tokens} (--max-num-queued-tokens {c.max_num_queued_tokens}); retry later"
             )
         if len(client.requests) >= c.max_client_reqs:

@@ -219,12 +219,12 @@ class EngineServer:
         sched = self.engine.scheduler
         return p.Stats(
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=self.engine.num_waiting,
             free_kv_blocks=self.engine.block_manager.num_free_blocks,
             total_kv_blocks=self.engine.block_manager.num_blocks,
             clients=len(self.clients),
             requests_by_client={c.name: len(c.requests) for c in self.clients.values()},
-            waiting_tokens=sched.num_waiting_tokens,
+            waiting_tokens=self.engine.num_waiting_tokens,
             dropped_clients=self.dropped_clients,
             engine=self.engine.stats(),
         )
