@@ -12,7 +12,7 @@
 #   bash apps/gpu_suite.sh train   # apps/train_demo_model.py on .gpu/corpus/corpus.txt (issue 6), ~3 min
 #   bash apps/gpu_suite.sh stream  # apps/bench_stream.py through AsyncClient, 5 rounds of 4x64 and 8x32,
 #                                  #   with a py-spy profile of the engine, ~4 min
-#   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP, then apps/bench_serve.py, ~6 min
+#   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP (WORKERS, 8), then apps/bench_serve.py, ~6 min
 #   bash apps/gpu_suite.sh profile # 3 rounds of 4x64 through AsyncClient and HTTP (4 workers) with py-spy on
 #                                  #   the engine and the frontend workers, then bench_structured under py-spy
 #   bash apps/gpu_suite.sh interval # bench_stream.py at --stream-interval INTERVALS (4), AsyncClient and HTTP
@@ -136,7 +136,7 @@ stream|http)
         [ -f "$out/client.pyspy" ] && python3 apps/pyspy_summary.py "$out/client.pyspy" --top 25 >"$out/client.txt" 2>&1
     else
         timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64 --runs 5 \
-            --http-workers "${WORKERS:-4}" "$@" >"$out/stream-http.log" 2>&1
+            --http-workers "${WORKERS:-8}" "$@" >"$out/stream-http.log" 2>&1
         grep -v -E "INFO|Loading weights" "$out/stream-http.log" | tail -n 20
         pkill -9 -f '[n]anostream serve'
         if [ "${SERVE_S:-120}" != 0 ]; then  # SERVE_S=0: only the HTTP sweep
@@ -146,7 +146,7 @@ stream|http)
             pkill -9 -f '[n]anostream serve'
         fi
         timeout "${HTTP_S:-100}" python3 apps/bench_serve.py "${common[@]}" --concurrency 16,64,256 \
-            --http-workers "${WORKERS:-4}" --input-len 512 --output-len 128 --out "$out/serving-http" \
+            --http-workers "${WORKERS:-8}" --input-len 512 --output-len 128 --out "$out/serving-http" \
             >"$out/serve-http.log" 2>&1
         grep -E "concurrency|rate|wrote" "$out/serve-http.log" | tail -n 5
         tar -C "$out" -cf "$out/serving.tar" serving serving-http 2>/dev/null && rm -rf "$out/serving" "$out/serving-http"
@@ -183,7 +183,7 @@ interval)
     for si in ${INTERVALS:-4}; do
         pkill -9 -f '[n]anostream serve'
         timeout "${STREAM_S:-200}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
-            --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-4}" \
+            --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-8}" \
             --stream-interval "$si" "$@" >"$out/interval-$si.log" 2>&1
         grep -v -E "INFO|Loading weights" "$out/interval-$si.log" | grep -E "^(==|shape|4x64)" | tail -n 8
     done ;;
