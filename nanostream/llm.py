@@ -109,17 +109,6 @@ class LLM:
             get_reasoning_parser(reasoning_parser)  # raises ValueError for an unknown name
         for spec in {p.structured_outputs for _, _, _, p in requests if p.structured_outputs is not None}:
             parse_grammar(spec)  # InvalidRequestError now, rather than after others have run
-        # Validate everything first, then add: a bad prompt leaves the engine untouched. Of n > 1 samples
-        # the first goes now, the others once it has a token (client/samples.py).
-        added = []
-        try:
-            for rid, _, ids, p in requests:
-                self.engine.add_request(rid, ids, sample_params(p)[0])
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
         return self._run(requests, use_tqdm, reasoning_parser)
 
     def chat(
@@ -170,7 +159,18 @@ class LLM:
                 samples[sid] = rid, CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
                 outputs[rid].outputs.append(samples[sid][1])
                 if i:
-                    later.setdefault(rid, []).append((sid, ids, sp))
+                    later.setdefault(rid, []).append((sid, ids, procs[sid].params))
+        # Validated, now added (a bad prompt left the engine untouched). Of n > 1 samples the first goes
+        # now, the others once it has a token (client/samples.py).
+        added = []
+        try:
+            for rid, _, ids, _ in requests:
+                self.engine.add_request(rid, ids, procs[sample_request_id(rid, 0)].params)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
         pending = {rid for rid, *_ in requests}  # engine request ids in the engine, unfinished
         bar = tqdm(total=len(samples), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0

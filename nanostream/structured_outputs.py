@@ -20,6 +20,8 @@ MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 _Text = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+MAX_TAG_CHARS = 64
+_Tag = Annotated[str, Meta(max_length=MAX_TAG_CHARS)]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class StructuredOutputsParams:
     object. ``structural_tag``: an xgrammar structural tag, as JSON text. JSON comes in one fixed
     layout unless ``any_whitespace``: no newlines or indentation, ``", "`` and ``": "`` between items
     (what ``json.dumps`` writes), so the model spends no tokens on whitespace the grammar would allow.
+
+    ``reasoning`` = (start tag, end tag): the output may open with free reasoning between the two
+    tags (then newlines), and the constraint holds for what follows, as vLLM does with a reasoning
+    parser; ``reasoning_open``: the prompt opened the block, so the output starts inside it and must
+    close it. A client with a reasoning parser sets both for its constrained requests, unless
+    ``enable_in_reasoning`` asks for the constraint to cover the reasoning too.
     """
 
     json: _Text | None = None
@@ -44,6 +52,9 @@ class StructuredOutputsParams:
     grammar: _Text | None = None
     structural_tag: _Text | None = None
     any_whitespace: bool = False
+    reasoning: tuple[_Tag, _Tag] | None = None
+    reasoning_open: bool = False
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         json = self.json
@@ -61,7 +72,21 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice:
                 raise ValueError("structured_outputs.choice must hold at least one string")
-        for name in ("json_object", "any_whitespace"):
+        if self.reasoning is not None:
+            tags = self.reasoning
+            if (
+                isinstance(tags, str)
+                or len(tags) != 2
+                or not all(isinstance(t, str) and 0 < len(t) <= MAX_TAG_CHARS for t in tags)
+            ):
+                raise ValueError(
+                    f"structured_outputs.reasoning must be a (start tag, end tag) pair of non-empty strings of at most "
+                    f"{MAX_TAG_CHARS} characters, got {tags!r}"
+                )
+            object.__setattr__(self, "reasoning", tuple(tags))
+        elif self.reasoning_open:
+            raise ValueError("structured_outputs.reasoning_open needs reasoning: the block's (start tag, end tag)")
+        for name in ("json_object", "any_whitespace", "reasoning_open", "enable_in_reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("regex", "grammar", "structural_tag"):

@@ -1,6 +1,7 @@
 """The offline API's request options beyond plain sampling: n samples sharing the prompt's KV blocks, prompt
 logprobs, logit bias, tools and template options in chat, reasoning split from the answer."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -129,10 +130,66 @@ def test_chat_renders_tools_history_and_template_options_as_the_template_does(ll
         llm.chat(history, greedy, use_tqdm=False, chat_template_kwargs={"tools": []})
 
 
-def test_reasoning_parser_splits_the_think_block(llm):
-    forced = SamplingParams(
-        temperature=0, max_tokens=40, structured_outputs=SO(choice=["<think>\nhmm, the sea\n</think>\n\nHello!"])
+def test_a_constraint_can_hold_after_a_block_of_free_reasoning(llm):
+    """``reasoning=(start, end)``: the output may open with free text between the tags, and the
+    constraint holds after it (what a reasoning parser asks for). Scripted with two one-token tags of the
+    tiny vocabulary: greedy, the start tag's token is biased up, the end tag's higher."""
+    tok = llm.tokenizer
+    start, end = "very", "done"
+    (s_id,), (e_id,) = (tok.encode(t, add_special_tokens=False) for t in (start, end))
+    params = SamplingParams(temperature=0, max_tokens=60, logit_bias={s_id: 50.0, e_id: 80.0})
+    year = SO(regex="[0-9]{4}", reasoning=(start, end))
+    out = llm.generate(["A year?"], replace(params, structured_outputs=year), use_tqdm=False)[0]
+    assert re.fullmatch(r"verydone\n*[0-9]{4}", out.text) and out.finish_reason == "stop", out.text
+    # The block is optional: biased the other way round, the start tag is never taken, the answer comes first.
+    only_end = replace(params, logit_bias={e_id: 80.0}, structured_outputs=year)
+    assert re.fullmatch("[0-9]{4}", llm.generate(["A year?"], only_end, use_tqdm=False)[0].text)
+    # reasoning_open (the prompt opened the block): the output must close it before it answers.
+    opened = replace(params, logit_bias={e_id: 80.0}, structured_outputs=replace(year, reasoning_open=True))
+    assert re.fullmatch(r"done\n*[0-9]{4}", llm.generate(["A year?"], opened, use_tqdm=False)[0].text)
+
+
+def test_a_reasoning_parser_puts_the_constraint_after_the_reasoning(llm, monkeypatch):
+    """With a reasoning parser and a model that has the tags as tokens, a constrained request reaches the
+    engine with the parser's tags (the block open or not as the prompt left it), unless the constraint is
+    to cover the reasoning too; a model without them answers under the constraint at once."""
+    from transformers import AutoTokenizer
+
+    from nanostream.client import output_processor
+
+    messages = [{"role": "user", "content": "A year?"}]
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=SO(regex="[0-9]{4}"))
+    prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    reasoner = AutoTokenizer.from_pretrained(llm.engine.model_path)
+    reasoner.add_tokens(["<think>", "</think>"], special_tokens=False)  # as Qwen3's has them
+    for tokenizer, tail, expected in (
+        (reasoner, "", (("<think>", "</think>"), False)),
+        (reasoner, "<think>\n", (("<think>", "</think>"), True)),  # the template opened the block
+        (reasoner, "<think>\n\n</think>\n\n", (None, False)),  # and closed it: enable_thinking=False
+        (llm.tokenizer, "", (None, False)),  # no tag tokens: not a reasoning model
+    ):
+        ids = tokenizer.encode(prompt + tail, add_special_tokens=False)
+        so = output_processor.OutputProcessor(
+            tokenizer, ids, params, reasoning_parser="qwen3"
+        ).params.structured_outputs
+        assert (so.reasoning, so.reasoning_open) == expected, (tail, so)
+    # What LLM.chat sends the engine is the processor's: with the tags, then covering the reasoning too.
+    monkeypatch.setattr(output_processor, "has_reasoning_tokens", lambda tokenizer, parser: True)
+    seen = []
+    add = llm.engine.add_request
+    monkeypatch.setattr(
+        llm.engine, "add_request", lambda rid, ids, p: seen.append(p.structured_outputs) or add(rid, ids, p)
     )
+    llm.chat(messages, params, use_tqdm=False, reasoning_parser="qwen3")
+    assert seen[-1].reasoning == ("<think>", "</think>")
+    covering = replace(params, structured_outputs=SO(regex="[0-9]{4}", enable_in_reasoning=True))
+    llm.chat(messages, covering, use_tqdm=False, reasoning_parser="qwen3")
+    assert seen[-1].reasoning is None
+
+
+def test_reasoning_parser_splits_the_think_block(llm):
+    script = SO(choice=["<think>\nhmm, the sea\n</think>\n\nHello!"], enable_in_reasoning=True)  # the reasoning too
+    forced = SamplingParams(temperature=0, max_tokens=40, structured_outputs=script)
     messages = [{"role": "user", "content": "Hi"}]
     out = llm.chat(messages, forced, use_tqdm=False, reasoning_parser="qwen3")[0]
     assert (out.reasoning_content, out.text) == ("\nhmm, the sea\n", "Hello!")

@@ -55,8 +55,18 @@ def engine(qwen3_dir) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def url(engine) -> Iterator[str]:
-    base, stop = serve_http(create_app(engine, api_key=API_KEY, reasoning_parser="qwen3"))
+    base, stop = serve_http(create_app(engine, api_key=API_KEY))
     yield base
+    stop()
+
+
+@pytest.fixture(scope="module")
+def reasoning_api(engine) -> Iterator:
+    """A second server on the engine, with the qwen3 reasoning parser."""
+    import openai
+
+    base, stop = serve_http(create_app(engine, api_key=API_KEY, reasoning_parser="qwen3"))
+    yield openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     stop()
 
 
@@ -75,8 +85,8 @@ def streamed_content(stream) -> tuple[str, str | None]:
 
 
 def forced(text: str) -> dict:
-    """extra_body that makes the tiny model write exactly ``text`` (a scripted reply)."""
-    return {"structured_outputs": {"choice": [text]}}
+    """extra_body that makes the tiny model write exactly ``text`` (a scripted reply), reasoning included."""
+    return {"structured_outputs": {"choice": [text], "enable_in_reasoning": True}}
 
 
 def assert_400(response: httpx.Response, param: str | None, *fragments: str) -> None:
@@ -328,17 +338,28 @@ def test_enable_thinking_false_changes_the_prompt_as_the_template_does(api, llm,
     assert off.usage.prompt_tokens == prompt_tokens(enable_thinking=False) > on.usage.prompt_tokens == prompt_tokens()
 
 
-def test_the_think_block_is_reasoning_content_streamed_and_not(api, model):
+def test_the_think_block_is_reasoning_content_streamed_and_not(reasoning_api, model):
     reply = "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."
     args = dict(model=model, messages=USER, max_tokens=80, temperature=0, extra_body=forced(reply))
-    message = api.chat.completions.create(**args).choices[0].message
+    message = reasoning_api.chat.completions.create(**args).choices[0].message
     assert (message.reasoning_content, message.content) == ("\nThe user wants weather.\n", "It is sunny.")
     reasoning, content = [], []
-    for chunk in api.chat.completions.create(**args, stream=True):
+    for chunk in reasoning_api.chat.completions.create(**args, stream=True):
         delta = chunk.choices[0].delta
         reasoning.append(getattr(delta, "reasoning_content", None) or "")
         content.append(delta.content or "")
     assert ("".join(reasoning), "".join(content)) == (message.reasoning_content, message.content)
+
+
+def test_with_a_reasoning_parser_a_json_answer_still_validates(reasoning_api, llm, model):
+    """The parser lets the model reason before its constrained answer (tests/test_llm_options.py scripts
+    that); kept from opening a block, the tiny model answers at once, and the answer validates."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    no_block = {str(llm.tokenizer.encode("<think>", add_special_tokens=False)[0]): -100}  # the start tag's first
+    args = dict(model=model, messages=USER, response_format=fmt, max_tokens=120, temperature=0, logit_bias=no_block)
+    message = reasoning_api.chat.completions.create(**args).choices[0].message
+    jsonschema.validate(json.loads(message.content), PERSON)
+    assert message.reasoning_content is None
 
 
 # ---- the rest of the request surface ---------------------------------------------------------
@@ -424,7 +445,7 @@ def test_the_async_client_has_the_same_options(engine):
             assert out.usage.completion_tokens == 16 and out.outputs[0].text != out.outputs[1].text
             person = await client.generate("Hi", structured_outputs={"json": PERSON}, max_tokens=120, temperature=0)
             jsonschema.validate(json.loads(person.text), PERSON)
-            reply = {"choice": ["<think>\nhmm\n</think>\n\nHello."]}
+            reply = {"choice": ["<think>\nhmm\n</think>\n\nHello."], "enable_in_reasoning": True}
             chunks = [
                 c async for c in client.chat(USER, reasoning_parser="qwen3", structured_outputs=reply, max_tokens=40)
             ]

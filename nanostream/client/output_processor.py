@@ -23,6 +23,13 @@ from nanostream.sampling_params import SamplingParams
 _PROMPT_TAIL_TOKENS = 16  # decoded for a reasoning parser: has the prompt opened the reasoning already?
 
 
+def has_reasoning_tokens(tokenizer: Any, parser: ReasoningParser) -> bool:
+    """The tokenizer has the parser's tags as tokens of their own, as a model trained to reason has. Only
+    then may a constrained request reason first: another model, spelling a tag out character by character
+    into the reasoning's free text, would leave its constraint behind."""
+    return all(len(tokenizer.encode(tag, add_special_tokens=False)) == 1 for tag in (parser.start_tag, parser.end_tag))
+
+
 class OutputProcessor:
     """``incremental=False`` (the offline API's fast path) decodes the text once, at the end, unless
     stop strings must be watched for: two tokenizer calls per token would cost more host time than a
@@ -44,8 +51,10 @@ class OutputProcessor:
         if reasoning_parser is not None:
             tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
             self.reasoning = get_reasoning_parser(reasoning_parser)(tail)
+            if has_reasoning_tokens(tokenizer, self.reasoning):  # a model that reasons: its grammar holds after
+                params = self.reasoning.constrain(params)
         self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.params = params  # what the engine is to run
         self.detok = (
             IncrementalDetokenizer(
                 tokenizer,

@@ -13,7 +13,10 @@ registered by name (``REASONING_PARSERS``); ``AsyncClient.chat(..., reasoning_pa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
+
+from nanostream.sampling_params import SamplingParams
 
 
 class ReasoningParser:
@@ -30,8 +33,20 @@ class ReasoningParser:
     def __init__(self, prompt_text: str = "") -> None:
         opened = prompt_text.rfind(self.start_tag)
         in_prompt = opened >= 0 and self.end_tag not in prompt_text[opened:]
+        self.closed_in_prompt = opened >= 0 and not in_prompt  # e.g. Qwen3's enable_thinking=False: no reasoning
         self.state = "reasoning" if in_prompt else "start"  # start -> reasoning -> after -> content
         self.pending = ""  # text not yet given out: maybe the start of a tag
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its structured output (if any) holding after the reasoning block, as the engine
+        needs it (``StructuredOutputsParams.reasoning``); unchanged when the constraint is to cover the
+        reasoning too (``enable_in_reasoning``), already names the block, or the prompt closed the block
+        (there is no reasoning to come)."""
+        so = params.structured_outputs
+        if so is None or so.enable_in_reasoning or so.reasoning is not None or self.closed_in_prompt:
+            return params
+        tags, inside = (self.start_tag, self.end_tag), self.state == "reasoning"
+        return replace(params, structured_outputs=replace(so, reasoning=tags, reasoning_open=inside))
 
     def feed(self, text: str) -> tuple[str, str]:
         """The (reasoning, content) that ``text`` (the next piece of the output) makes final."""

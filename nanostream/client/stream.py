@@ -72,7 +72,7 @@ class Stream:
             for j, sp in enumerate(per_prompt):
                 index = p * len(per_prompt) + j
                 proc = OutputProcessor(client.tokenizer, prompt, sp, reasoning_parser=reasoning_parser, index=index)
-                sample = _Sample(sample_request_id(self.request_id, index), prompt, sp, proc)
+                sample = _Sample(sample_request_id(self.request_id, index), prompt, proc.params, proc)
                 self._samples.append(sample)
                 if first is None:
                     first = sample

@@ -118,10 +118,31 @@ def parse(spec: StructuredOutputsParams) -> str:
             tag = json.loads(spec.structural_tag)
             text = _ebnf(xgr.Grammar.from_structural_tag(json.dumps(tag if spec.any_whitespace else _compact_tag(tag))))
         xgr.Grammar.from_ebnf(text)
+        if spec.reasoning is not None:
+            text = _after_reasoning(text, spec)
         return text
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own JSON and tag errors
         why = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
         raise InvalidRequestError(f"structured_outputs.{kind} is not a valid {_WHAT[kind]}: {why}") from None
+
+
+def _after_reasoning(text: str, spec: StructuredOutputsParams) -> str:
+    """The grammar ``text`` after a block of free reasoning between ``spec.reasoning``'s tags (and any
+    newlines): optional, or begun already when the prompt opened it (``reasoning_open``)."""
+    import xgrammar as xgr
+
+    start, end = spec.reasoning
+    block: dict[str, Any] = {
+        "type": "tag",
+        "begin": "" if spec.reasoning_open else start,
+        "content": {"type": "any_text"},
+        "end": end,
+    }
+    if not spec.reasoning_open:
+        block = {"type": "optional", "content": block}
+    elements = [block, {"type": "regex", "pattern": "\\n*"}, {"type": "grammar", "grammar": text}]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    return _ebnf(xgr.Grammar.from_structural_tag(json.dumps(tag)))
 
 
 class GrammarCompiler:

@@ -14,7 +14,9 @@ from nanostream.frontends.openai_server.tool_parsers import ToolParser
 from nanostream.structured_outputs import StructuredOutputsParams
 
 # vLLM's structured_outputs keys; disable_any_whitespace is vLLM's spelling of the opposite of any_whitespace.
-_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "any_whitespace"}
+# enable_in_reasoning (vLLM's name, a server setting there): with a reasoning parser, the constraint covers
+# the reasoning too, rather than holding after it.
+_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "any_whitespace", "enable_in_reasoning"}
 
 
 def from_response_format(body: BaseRequest) -> StructuredOutputsParams | None:
