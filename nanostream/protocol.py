@@ -32,7 +32,7 @@ from nanostream.errors import ProtocolError
 from nanostream.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from nanostream.structured_outputs import MAX_GRAMMAR_CHARS
 
-PROTOCOL_VERSION = 3  # 3: structured outputs, logit bias, n and prompt logprobs in SamplingParams
+PROTOCOL_VERSION = 4  # 3: structured outputs, logit bias, n and prompt logprobs in SamplingParams; 4: after reasoning
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
 MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
 MAX_REQUEST_ID_CHARS = 256
