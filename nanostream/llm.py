@@ -15,7 +15,7 @@ from nanostream.client.output_processor import OutputProcessor
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.samples import sample_params, sample_request_id
 from nanostream.config import EngineConfig
-from nanostream.engine.grammar import parse as parse_grammar
+from nanostream.engine.grammar_text import parse as parse_grammar
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.errors import InvalidRequestError
 from nanostream.outputs import CompletionOutput, RequestOutput
