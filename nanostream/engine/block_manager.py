@@ -83,8 +83,15 @@ class BlockManager:
         ``prefix_hits`` (from ``match_prefix``, only for a sequence with no blocks yet) are shared
         instead of recomputed. Returns False, changing nothing, when too few blocks are free.
         """
-        if prefix_hits:
-            assert not seq.block_table and seq.num_computed_tokens == 0
+        if not prefix_hits:  # the common case, a decode row: a new block only at a block boundary
+            fresh = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+            if fresh <= 0:
+                return True
+            if fresh > self.num_free_blocks:
+                return False
+            seq.block_table += [self._take_free_block() for _ in range(fresh)]
+            return True
+        assert not seq.block_table and seq.num_computed_tokens == 0
         revived = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)
         have = len(seq.block_table) + len(prefix_hits)
         computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
@@ -115,9 +122,9 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of ``seq`` that became full and computed since the last call."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(seq.block_hashes) or not self.enable_prefix_caching:  # (most steps of a decode row)
+            return
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else 0, tokens)

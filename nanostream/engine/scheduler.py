@@ -94,13 +94,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledChunk] = []
         # 1 + 2: decodes, then chunks of prefills in progress.
-        queue = deque(
-            [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1 and not s.stopping]
-            + [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        )
+        decodes, prefills = [], []
+        for s in self.running:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1 and not s.stopping:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
+        queue = deque(decodes + prefills)
         while queue and budget:
             seq = queue.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq, n):
                 if queue:
                     self._preempt(max(queue, key=self.running.index))
