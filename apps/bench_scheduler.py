@@ -1,8 +1,8 @@
-"""The scheduler's host time per decode step, without a model: ``schedule()``, ``launched()`` and
-``resolve()`` for N running sequences (prefix caching on), the busy loop's share of a step that is
-plain Python.
+"""The busy loop's host work per decode step that is plain Python, without a model: the scheduler's
+``schedule()``, ``launched()`` and ``resolve()`` for N running sequences (prefix caching on), and
+``pack_step()`` of their chunks (host lists and their upload, on the CPU).
 
-    python3 apps/bench_scheduler.py --seqs 256
+    python3 apps/bench_scheduler.py --seqs 256 --block-size 256
 """
 
 from __future__ import annotations
@@ -11,37 +11,49 @@ import argparse
 import random
 import time
 
+import torch
+
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
+from nanostream.engine.step_inputs import new_step, pack_step
 from nanostream.sampling_params import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", type=int, default=256, help="running sequences (default: 256)")
+    parser.add_argument("--block-size", type=int, default=256, help="KV block size (default: 256, the engine's)")
     parser.add_argument("--steps", type=int, default=300, help="timed decode steps (default: 300)")
     args = parser.parse_args()
-    block_size, rng = 16, random.Random(0)
-    manager = BlockManager(num_blocks=args.seqs * 80, block_size=block_size)
+    bs, rng = args.block_size, random.Random(0)
+    manager = BlockManager(num_blocks=args.seqs * (4096 // bs + 1), block_size=bs)
     scheduler = Scheduler(manager, max_num_seqs=args.seqs, max_num_batched_tokens=16384, max_model_len=4096)
     for i in range(args.seqs):
         prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(100, 1000))]
         params = SamplingParams(max_tokens=2000, ignore_eos=True)
         scheduler.add(Sequence(f"r{i}", prompt, params, max_tokens=2000, sampling_seed=i, stop_token_ids=frozenset()))
 
-    def step() -> None:
+    def step() -> list:
         chunks = scheduler.schedule()
         scheduler.launched(chunks)
         scheduler.resolve(chunks, {c.seq.request_id: 7 for c in chunks if c.samples})
+        return chunks
 
     for _ in range(20):  # the prompts' prefill, then decodes
         step()
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
-    per_step = (time.perf_counter() - start) / args.steps
-    print(f"schedule + launched + resolve: {per_step * 1e6:.0f} us per decode step at {args.seqs} sequences")
+    scheduling = (time.perf_counter() - start) / args.steps
+    chunks, cpu = scheduler.schedule(), torch.device("cpu")  # decode rows whose tokens are known
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        new_step(cpu)
+        pack_step(chunks, bs, cpu)
+    packing = (time.perf_counter() - start) / args.steps
+    print(f"{args.seqs} decode rows, blocks of {bs}: schedule + launched + resolve {scheduling * 1e6:.0f} us, "
+          f"pack_step {packing * 1e6:.0f} us a step")  # fmt: skip
 
 
 if __name__ == "__main__":

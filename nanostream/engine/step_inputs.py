@@ -141,6 +141,19 @@ def pack_step(
     cu_q, seq_lens, sample_rows = [0], [], []
     for chunk in chunks:
         seq, start = chunk.seq, chunk.start
+        if chunk.num_new_tokens == 1:  # a decode row (most of a step's chunks): one of each, no ranges
+            token = seq.token_ids[start]
+            if token == PENDING:
+                assert prev is not None, f"{seq} has a pending token but no step is in flight"
+                pending.append((len(input_ids), prev.rows[seq.request_id]))
+            input_ids.append(token)
+            positions.append(start)
+            slots.append(seq.block_table[start // bs] * bs + start % bs)
+            cu_q.append(cu_q[-1] + 1)
+            seq_lens.append(start + 1)
+            if chunk.samples:
+                sample_rows.append(cu_q[-1] - 1)
+            continue
         end = start + chunk.num_new_tokens
         for i in range(max(start, end - 2), end):  # only a sequence's last two tokens can be pending
             if seq.token_ids[i] == PENDING:
@@ -158,8 +171,10 @@ def pack_step(
     width = max(len(c.seq.block_table) for c in chunks)
     tables: list[int] = []
     for c in chunks:
-        tables += c.seq.block_table
-        tables += [0] * (width - len(c.seq.block_table))
+        table = c.seq.block_table
+        tables += table
+        if len(table) < width:
+            tables += [0] * (width - len(table))
     for row, _ in pending:
         input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
     rows, prev_rows = (list(x) for x in zip(*pending)) if pending else ([], [])
