@@ -51,8 +51,8 @@ class OutputProcessor:
         if reasoning_parser is not None:
             tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
             self.reasoning = get_reasoning_parser(reasoning_parser)(tail)
-            if has_reasoning_tokens(tokenizer, self.reasoning):  # a model that reasons: its grammar holds after
-                params = self.reasoning.constrain(params)
+            if params.structured_outputs is not None and has_reasoning_tokens(tokenizer, self.reasoning):
+                params = self.reasoning.constrain(params)  # a model that reasons: its grammar holds after
         self.prompt_token_ids = prompt_token_ids
         self.params = params  # what the engine is to run
         self.detok = (

@@ -83,15 +83,10 @@ class BlockManager:
         ``prefix_hits`` (from ``match_prefix``, only for a sequence with no blocks yet) are shared
         instead of recomputed. Returns False, changing nothing, when too few blocks are free.
         """
-        if not prefix_hits:  # the common case, a decode row: a new block only at a block boundary
-            fresh = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
-            if fresh <= 0:
-                return True
-            if fresh > self.num_free_blocks:
-                return False
-            seq.block_table += [self._take_free_block() for _ in range(fresh)]
-            return True
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not prefix_hits and seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common case, a decode row inside its last block: nothing to allocate
+        if prefix_hits:
+            assert not seq.block_table and seq.num_computed_tokens == 0
         revived = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)
         have = len(seq.block_table) + len(prefix_hits)
         computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
