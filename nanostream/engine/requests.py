@@ -46,12 +46,21 @@ class _Pending:
     identity: bytes
     request_id: str  # the client's id for it
     num_prompt_tokens: int
-    buffer: p.RequestDelta
+    buffer: p.RequestDelta | None = None  # None: nothing gathered since the last take
     num_generated: int = 0
     sent_any: bool = False
 
+    def gather(self, delta: p.RequestDelta) -> p.RequestDelta:
+        """Take in one of the engine's deltas (the engine keeps none after its step): the first one since
+        the last take becomes the buffer itself, renamed to the client's id, with nothing copied."""
+        if self.buffer is None:
+            delta.request_id, self.buffer = self.request_id, delta
+        else:
+            self.buffer.merge(delta)
+        return self.buffer
+
     def take(self) -> p.RequestDelta:
-        out, self.buffer, self.sent_any = self.buffer, p.RequestDelta(self.request_id), True
+        out, self.buffer, self.sent_any = self.buffer or p.RequestDelta(self.request_id), None, True
         return out
 
 
@@ -86,7 +95,7 @@ class RequestBook:
             return
         client.requests.add(rid)
         client.prompt_tokens += n
-        self.pending[engine_id] = _Pending(client.identity, rid, n, p.RequestDelta(rid))
+        self.pending[engine_id] = _Pending(client.identity, rid, n)
         if add.timeout is not None:
             heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
 
@@ -119,13 +128,14 @@ class RequestBook:
             pend = self.pending.get(delta.request_id)
             if pend is None:
                 continue
-            pend.buffer.merge(delta)
+            engine_id = delta.request_id
             pend.num_generated += len(delta.token_ids)
+            gathered = pend.gather(delta)
             # The first delta also carries usage so far (prompt and cached tokens), for a client that
             # ends the request itself (a stop string) and so never sees the last one.
             if delta.finish_reason is not None:
-                self.close(delta.request_id, pend)
-            elif not pend.sent_any or len(pend.buffer.token_ids) >= interval:
+                self.close(engine_id, pend)
+            elif not pend.sent_any or len(gathered.token_ids) >= interval:
                 self.emit(pend.identity, pend.take())
 
     def close(self, engine_id: str, pend: _Pending, reason: str | None = None, **why: str | None) -> None:
@@ -149,7 +159,7 @@ class RequestBook:
             return
         if notify:
             if delta is not None:
-                pend.buffer.usage = delta.usage
+                pend.gather(p.RequestDelta(pend.request_id, usage=delta.usage))
             self.close(engine_id, pend, reason, error=error, code=code)
         else:
             self._release(engine_id, pend)
