@@ -25,7 +25,9 @@ first offline run: exactly apps/bench.py's), so that the prefix cache helps none
 
 Per round: output tok/s and streamed ÷ offline (the median of the offline runs), TTFT p50 (request
 sent → first chunk), delivery p50 (a chunk's arrival − the end of the engine step that produced its
-newest token; client mode), tokens per chunk or SSE event, elapsed / engine steps (the loop's period),
+newest token; client mode; in brackets its wire part, up to the client's reader taking the message
+off its socket, the rest being that process's event loop), tokens per chunk or SSE event, elapsed /
+engine steps (the loop's period),
 the engine's host time and device wait per step (``EngineStats.device_wait_seconds``: near 0 means
 the device waited for the host), and the CPU cores of the engine, clients and frontend.
 ``--profile DIR`` writes cProfiles of the engine's busy loop (its whole life) and of each client's
@@ -295,13 +297,19 @@ def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[
 
 def progress(r: Round, http: bool) -> str:
     eng = r.engine
-    delivery = percentiles([d for t in r.traces for d in t.delivery])[0]
     return (
         f"{'http' if http else 'client'} {r.shape} round {r.index}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
-        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {1e3 * delivery:.2f} ms, "
+        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {delivery(r)} ms, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )
+
+
+def delivery(r: Round) -> str:
+    """Delivery p50, and in brackets its wire part's p50: engine step end → the client's reader."""
+    total = percentiles([d for t in r.traces for d in t.delivery])[0]
+    wire = percentiles([d for t in r.traces for d in t.wire])[0]
+    return f"{1e3 * total:.2f} ({1e3 * wire:.2f})"
 
 
 def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
@@ -315,7 +323,7 @@ def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
             "streamed tok/s",
             "ratio",
             "TTFT p50 ms",
-            "delivery p50 ms" if not http else "tokens/event",
+            "delivery p50 ms (wire)" if not http else "tokens/event",
             "tokens/chunk" if not http else "frontend cores",
             "period ms (off)",
             "host ms/step (off)",
@@ -336,7 +344,7 @@ def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
             col6 = f"{r.output_tokens() / max(sum(t.events for t in r.traces), 1):.2f}"
             col7 = f"{r.frontend_cores:.2f}"
         else:
-            col6 = f"{1e3 * percentiles([d for t in r.traces for d in t.delivery])[0]:.2f}"
+            col6 = delivery(r)
             col7 = f"{r.output_tokens() / max(r.chunks(), 1):.2f}"
         rows.append(
             (

@@ -38,6 +38,7 @@ class Trace:
     arrivals: list[float] = field(default_factory=list)  # one per chunk (SSE event) that carried tokens
     counts: list[int] = field(default_factory=list)  # tokens in each; HTTP: all on the last (from usage)
     delivery: list[float] = field(default_factory=list)  # s, arrival − the end of the engine step (client only)
+    wire: list[float] = field(default_factory=list)  # s, the client's reader took it − the end of the step
     events: int = 0  # SSE events with a choice (HTTP only)
     error: str | None = None
 
@@ -65,6 +66,7 @@ async def stream_client(client: AsyncClient, r: Request) -> Trace:
                 trace.counts.append(len(chunk.token_ids))
                 if stream.produced is not None:
                     trace.delivery.append(now - stream.produced)
+                    trace.wire.append(stream.received - stream.produced)
     return trace
 
 

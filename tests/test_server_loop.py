@@ -59,6 +59,7 @@ async def test_each_step_is_launched_before_the_previous_steps_tokens_are_routed
         stream = client.stream([5, 6, 7, 8], params)
         chunks = [chunk async for chunk in stream]
         delivered = time.monotonic() - stream.produced
+        assert stream.produced <= stream.received <= time.monotonic(), "the reader took the step's tokens after it"
     launches = routed = 0
     for kind, n in events:
         if kind == "launch":

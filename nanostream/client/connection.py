@@ -188,7 +188,7 @@ class Connection:
     async def _read_loop(self) -> None:
         while True:
             frame = await self._sock.recv()
-            self._last_heard = time.monotonic()
+            self._last_heard = received = time.monotonic()
             try:
                 message = p.decode_engine_message(frame)
             except ProtocolError as exc:
@@ -198,18 +198,18 @@ class Connection:
                 if isinstance(message, p.Welcome):  # rare: a new registration may bring a new tokenizer
                     await self._welcomed_again(message)
                 else:
-                    self._dispatch(message)  # no await: the reader's per-step path stays a plain call
+                    self._dispatch(message, received)  # no await: the reader's per-step path stays a plain call
             except Exception as exc:  # a bug here must not take the caller's task group down
                 log.exception("handling a %s from the engine failed", type(message).__name__)
                 self._die(EngineDeadError(f"the client failed on a message from the engine: {exc!r}"))
                 return
 
-    def _dispatch(self, message: p.EngineMessage) -> None:
+    def _dispatch(self, message: p.EngineMessage, received: float) -> None:
         if isinstance(message, p.Outputs):
             for out in message.outputs:
                 mailbox = self._mailboxes.get(out.request_id)
                 if mailbox is not None:
-                    mailbox.put(out, message.produced)
+                    mailbox.put(out, message.produced, received)
         elif isinstance(message, p.Stats) and self._stats_waiters:
             event, slot = self._stats_waiters.pop(0)
             slot.append(message)

@@ -17,13 +17,15 @@ class Mailbox:
         self.processors = processors  # request id -> its processor
         self.failure: BaseException | None = None
         self.produced: float | None = None  # the engine's clock when the newest delta's step ended
+        self.received: float | None = None  # this process's clock when the reader took that delta
         # A flag and the consumer's future while it waits: per token, cheaper than a new anyio.Event.
         self._ready = False
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, delta: p.RequestDelta, produced: float | None = None) -> None:
+    def put(self, delta: p.RequestDelta, produced: float | None = None, received: float | None = None) -> None:
         self.processors[delta.request_id].put(delta)
         self.produced = produced if produced is not None else self.produced
+        self.received = received
         self._wake()
 
     def fail(self, exc: BaseException) -> None:

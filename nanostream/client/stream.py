@@ -64,6 +64,9 @@ class Stream:
         # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
         # engine's host is this process's too (time.monotonic() - stream.produced: the delivery latency).
         self.produced: float | None = None
+        # When this process's reader took that token off the socket (time.monotonic()): received -
+        # produced is the wire's part of the delivery latency, the rest this process's event loop.
+        self.received: float | None = None
         self._samples: list[_Sample] = []
         self._leaders: list[_Sample] = []  # each prompt's first sample, sent at the start
         per_prompt = sample_params(params)
@@ -130,7 +133,7 @@ class Stream:
                 followers, sample.followers = sample.followers, []
                 for follower in followers:  # the prompt's blocks are cached now: its other samples go
                     await self._send(follower)
-                self.produced = self._mailbox.produced
+                self.produced, self.received = self._mailbox.produced, self._mailbox.received
                 return chunk
         except BaseException:
             self._close_now()
