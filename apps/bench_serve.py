@@ -33,6 +33,8 @@ import contextlib
 import json
 import math
 import random
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -210,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     import os
 
+    # A `timeout` that stops this run still stops what it started (engine, frontend, clients).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -226,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                 base, _ = stack.enter_context(openai_frontend(engine.address, args.http_workers))
                 target = Target(base_url=base, model=model.name)
             results = asyncio.run(sweep(args, target, vocab_size))
+    for line_ in engine.log:  # what stalled every stream mid-sweep
+        if "after start-up" in line_:
+            print(f"engine: {line_}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         via = f"HTTP, {args.http_workers} frontend workers" if args.http_workers else "AsyncClient"

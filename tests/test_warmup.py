@@ -34,3 +34,26 @@ def test_short_chunk_steps_stop_at_what_the_engine_can_run(qwen3_dir, num_blocks
     steps = short_chunk_steps(llm.engine.config, num_blocks)
     assert [step[-1].num_new_tokens for step in steps] == lengths
     assert all(len(step) == min(2, max_seqs) for step in steps)
+
+
+def test_a_kernel_variant_built_after_start_up_is_logged_by_name_and_key(qwen3_dir, caplog):
+    # Triton calls its post-compile hook for each variant it builds; on a GPU one built after start-up
+    # stalled every stream, and the log says which (the hook is called here as Triton would call it).
+    knobs = pytest.importorskip("triton").knobs
+    from nanostream.engine.model_runner import _start_up
+
+    LLM(str(qwen3_dir), device="cpu", kvcache_block_size=8, num_kvcache_blocks=40)
+    hook = knobs.runtime.jit_post_compile_hook
+
+    def decode_kernel():
+        pass
+
+    with caplog.at_level("WARNING", logger="nanostream.engine.model_runner"):
+        with _start_up():  # another engine starting in this process: its variants are expected
+            hook(fn=decode_kernel, key="during", repr="", already_compiled=False)
+        hook(fn=decode_kernel, key="late", repr="", already_compiled=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Triton kernel decode_kernel got a variant after start-up, a stall of every stream (key late)"
+    ]
+    LLM(str(qwen3_dir), device="cpu", kvcache_block_size=8, num_kvcache_blocks=40)
+    assert knobs.runtime.jit_post_compile_hook is hook  # installed once, not wrapped again per engine
