@@ -1,0 +1,128 @@
+"""The wire's floor: how long a step-sized message takes from a busy-loop-style sender to an asyncio
+reader in another process, through ZeroMQ (ROUTER → DEALER over ipc, as the engine and its clients
+talk) and through a plain Unix socket (no I/O thread on either side), with no engine and no model.
+
+    python3 apps/bench_wire.py --clients 4 --period-ms 5 --messages 2000
+
+Each ``--period-ms`` the sender stamps ``time.monotonic()`` into one ``--bytes`` message per client
+and sends them; each client records its reader's wake-up time minus the stamp. Printed: p50/p90/p99
+per transport, the first client's and the last one's (sent last) apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import struct
+import tempfile
+import time
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+STAMP = struct.Struct("<d")
+
+
+async def _read_zmq(address: str, index: int, n: int, ready, results) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"c%d" % index)
+    sock.connect(address)
+    await sock.send(b"hello")
+    ready.put(index)
+    lags = []
+    for _ in range(n):
+        frame = await sock.recv()
+        lags.append(time.monotonic() - STAMP.unpack_from(frame)[0])
+    results.put((index, lags))
+    sock.close(linger=0)
+    ctx.term()
+
+
+async def _read_unix(path: str, index: int, n: int, ready, results) -> None:
+    reader, writer = await asyncio.open_unix_connection(path)
+    ready.put(index)
+    lags = []
+    for _ in range(n):
+        frame = await reader.readexactly(int.from_bytes(await reader.readexactly(4), "little"))
+        lags.append(time.monotonic() - STAMP.unpack_from(frame)[0])
+    results.put((index, lags))
+    writer.close()
+
+
+def client(kind: str, where: str, index: int, n: int, ready, results) -> None:
+    asyncio.run((_read_zmq if kind == "zmq" else _read_unix)(where, index, n, ready, results))
+
+
+def run(kind: str, args: argparse.Namespace) -> dict[int, np.ndarray]:
+    ctx, tmp = mp.get_context("spawn"), tempfile.mkdtemp()
+    ready, results = ctx.Queue(), ctx.Queue()
+    payload = os.urandom(args.bytes - STAMP.size)
+    if kind == "zmq":
+        zctx = zmq.Context()
+        router = zctx.socket(zmq.ROUTER)
+        where = f"ipc://{tmp}/wire"
+        router.bind(where)
+    else:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        where = f"{tmp}/wire"
+        listener.bind(where)
+        listener.listen()
+    procs = [
+        ctx.Process(target=client, args=(kind, where, i, args.messages, ready, results)) for i in range(args.clients)
+    ]
+    for proc in procs:
+        proc.start()
+    if kind == "zmq":
+        peers = [router.recv_multipart()[0] for _ in procs]
+        send = [lambda frame, peer=peer: router.send_multipart((peer, frame)) for peer in peers]
+    else:
+        conns = [listener.accept()[0] for _ in procs]
+        send = [lambda frame, conn=conn: conn.sendall(len(frame).to_bytes(4, "little") + frame) for conn in conns]
+    for _ in procs:
+        ready.get()
+    time.sleep(0.5)
+    period, deadline = args.period_ms / 1e3, time.monotonic()
+    for _ in range(args.messages):
+        deadline += period
+        while time.monotonic() < deadline:  # spin, as a busy loop that steps would
+            pass
+        for s in send:
+            s(STAMP.pack(time.monotonic()) + payload)
+    lags = dict(results.get() for _ in procs)
+    for proc in procs:
+        proc.join()
+    if kind == "zmq":
+        router.close(linger=0)
+        zctx.term()
+    else:
+        for conn in conns:
+            conn.close()
+        listener.close()
+    return {i: np.asarray(v[args.messages // 10 :]) for i, v in lags.items()}  # the first tenth: warm-up
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=4, help="reader processes (default: 4)")
+    parser.add_argument("--period-ms", type=float, default=5.0, help="ms between sends (default: 5, a step)")
+    parser.add_argument("--messages", type=int, default=2000, help="messages per client (default: 2000)")
+    parser.add_argument("--bytes", type=int, default=2048, help="bytes per message (default: 2048, 64 deltas)")
+    args = parser.parse_args()
+    print(f"{args.clients} clients, a {args.bytes}-byte message each every {args.period_ms:g} ms, {args.messages} each")
+
+    def ms(lags: np.ndarray) -> str:
+        return " / ".join(f"{1e3 * x:.3f}" for x in np.percentile(lags, [50, 90, 99]))
+
+    for kind in ("zmq", "unix"):
+        lags = run(kind, args)
+        every, first, last = np.concatenate(list(lags.values())), lags[0], lags[args.clients - 1]
+        print(f"{kind:>4}: stamp -> reader awake p50/p90/p99 ms: all {ms(every)}; first {ms(first)}; last {ms(last)}")
+
+
+if __name__ == "__main__":
+    main()
