@@ -45,6 +45,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -423,6 +424,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
+    # A `timeout` that stops this run still stops what it started (engine, frontend, clients).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args(argv)
     engine_kwargs = engine_options(args)
     if args.threads:

@@ -33,6 +33,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # nanostream.kernels lives in kernels/: without an install, expose it by a link inside the package.
 [ -e nanostream/kernels ] || ln -s ../kernels nanostream/kernels
 out=${OUT:-gpu-out}; mkdir -p "$out"
+# What an earlier call's killed run left behind (an engine, frontend workers, client processes) would
+# hold the GPU and the CPUs: a stage starts on a quiet machine.
+pkill -9 -f '[n]anostream (serve|frontend)'; pkill -9 -f '[s]pawn_main'
+
 [ -d ".gpu/fa4/$stage" ] && bash .gpu/tools/fa4-install.sh ".gpu/fa4/$stage" 2>&1 | tail -n 3
 [ -f /tmp/fa4-site/env.sh ] && . /tmp/fa4-site/env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/gpu.txt"
