@@ -48,6 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
     from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
+    from nanostream.engine.kv_pool import warn_on_late_compiles
     from nanostream.engine.server import EngineFailure, EngineServer
 
     if args.model_option is not None:
@@ -93,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     # process: keep it out of the collector's full passes, which stalled a step for 280 ms on an H200.
     gc.collect()
     gc.freeze()
+    warn_on_late_compiles()  # start-up is over: a kernel built from now on stalled the streams
     try:
         server.serve_forever(ready)
     except (EngineFailure, EngineDeadError) as exc:  # the clients were told; the process says so and exits non-zero

@@ -15,9 +15,7 @@ inputs. The warm-up and the graph captures run on every rank alike, without a co
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,42 +66,6 @@ class InFlight:
     prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
 
 
-log = logging.getLogger(__name__)
-_starting = 0  # runners of this process inside their start-up, where kernels are meant to compile
-
-
-@contextlib.contextmanager
-def _start_up():
-    global _starting
-    _warn_on_late_compiles()
-    _starting += 1
-    try:
-        yield
-    finally:
-        _starting -= 1
-
-
-def _warn_on_late_compiles() -> None:
-    """Log each Triton kernel variant first built after start-up: building it (~0.3 s) stalled every
-    stream, and the warm-up steps should have met it. Triton's hook is process-wide: installed once."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return
-    earlier = knobs.runtime.jit_post_compile_hook
-    if getattr(earlier, "nanostream", False):
-        return
-
-    def hook(*, fn, key, **kwargs):
-        if not _starting:
-            name = getattr(fn, "__name__", fn)
-            log.warning("Triton kernel %s got a variant after start-up, a stall of every stream (key %s)", name, key)
-        return earlier(fn=fn, key=key, **kwargs) if earlier is not None else None
-
-    hook.nanostream = True
-    knobs.runtime.jit_post_compile_hook = hook
-
-
 def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
@@ -137,28 +99,27 @@ class ModelRunner:
             block_size=self.block_size,
             head_dim=self.spec.head_dim,
         )
-        with _start_up():  # a kernel built after this stalls serving: logged
-            kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
-            self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp)
-            self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
-            self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
-            self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
-            if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
-                self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
-            if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
-                self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
-            self.kv_caches = self._allocate_kv(self.num_kv_blocks)
-            if cuda:  # every rank runs them alike: no control message
-                for chunks in short_chunk_steps(config, self.num_kv_blocks):
-                    self.collect(self.launch_local(chunks))
-            if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
-                self.graphs = DecodeGraphs(
-                    self._forward,
-                    max_num_seqs=config.max_num_seqs,
-                    max_model_len=config.max_model_len,
-                    block_size=self.block_size,
-                    device=self.device,
-                )
+        kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
+        self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp)
+        self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
+        self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
+        self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
+        if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
+            self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
+        if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
+            self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
+        self.kv_caches = self._allocate_kv(self.num_kv_blocks)
+        if cuda:  # every rank runs them alike: no control message
+            for chunks in short_chunk_steps(config, self.num_kv_blocks):
+                self.collect(self.launch_local(chunks))
+        if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self._forward,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+            )
 
     # ---- KV pool -------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Heartbeat
 from nanostream.distributed.rendezvous import Rendezvous, rank_device
 from nanostream.engine.control import StepReader, Stop, decode, decode_setup
+from nanostream.engine.kv_pool import warn_on_late_compiles
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.workers import PARENT_VARIABLE, joined_key
 from nanostream.models.loader import resolve_model_path
@@ -55,6 +56,7 @@ def run_worker(rendezvous: Rendezvous, parent_pid: int | None = None) -> int:
     store.set(joined_key(rank), str(os.getpid()))
     tp = TensorParallel.connect(store, rank, rendezvous.world_size, rendezvous.local_rank, device)
     runner = ModelRunner(config, setup.spec, resolve_model_path(config.model), tp=tp)
+    warn_on_late_compiles()
     log.info("tensor-parallel worker rank %d of %d ready on %s", rank, tp.size, device)
     reader, prev = StepReader(), None
     while True:
