@@ -302,7 +302,7 @@ def progress(r: Round, http: bool) -> str:
     eng = r.engine
     return (
         f"{'http' if http else 'client'} {r.shape} round {r.index}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
-        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {delivery(r)} ms, "
+        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {delivery(r)} ms{fan_out(r)}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )
@@ -313,6 +313,22 @@ def delivery(r: Round) -> str:
     total = percentiles([d for t in r.traces for d in t.delivery])[0]
     wire = percentiles([d for t in r.traces for d in t.wire])[0]
     return f"{1e3 * total:.2f} ({1e3 * wire:.2f})"
+
+
+def fan_out(r: Round) -> str:
+    """The client's part of delivery, per message a client's reader took: how long after it the first
+    and the last of its streams had their chunk (p50 over messages). First: the event loop's wake-up
+    and one stream's work; last − first: the other streams', one after another."""
+    after: dict[float, list[float]] = {}
+    for t in r.traces:
+        for arrival, received in zip(t.arrivals, t.received):
+            if received is not None:
+                after.setdefault(received, []).append(arrival - received)
+    if not after:
+        return ""
+    first = percentiles([min(v) for v in after.values()])[0]
+    last = percentiles([max(v) for v in after.values()])[0]
+    return f" (a message's first stream +{1e3 * first:.2f}, last +{1e3 * last:.2f} ms)"
 
 
 def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:

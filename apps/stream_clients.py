@@ -39,6 +39,7 @@ class Trace:
     counts: list[int] = field(default_factory=list)  # tokens in each; HTTP: all on the last (from usage)
     delivery: list[float] = field(default_factory=list)  # s, arrival − the end of the engine step (client only)
     wire: list[float] = field(default_factory=list)  # s, the client's reader took it − the end of the step
+    received: list[float | None] = field(default_factory=list)  # per chunk: when the reader took its message
     events: int = 0  # SSE events with a choice (HTTP only)
     error: str | None = None
 
@@ -64,6 +65,7 @@ async def stream_client(client: AsyncClient, r: Request) -> Trace:
                 now = time.perf_counter()
                 trace.arrivals.append(now)
                 trace.counts.append(len(chunk.token_ids))
+                trace.received.append(stream.received)
                 if stream.produced is not None:
                     trace.delivery.append(now - stream.produced)
                     trace.wire.append(stream.received - stream.produced)
