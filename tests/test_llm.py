@@ -1,5 +1,7 @@
 """The offline API as a user drives it: prompts in, outputs in order, stop rules, seeds, logprobs, chat."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -85,6 +87,18 @@ def test_seeded_sampling_reproducible_and_batch_independent(llm):
         use_tqdm=False,
     )[0].token_ids
     assert different != alone
+
+
+def test_each_rows_cut_applies_in_a_mixed_batch(llm):
+    # min_p = 1 and a tiny top_p keep only the most likely token, so those rows sample what greedy does,
+    # at temperature 1 and beside rows that sample freely; the free rows do not.
+    prompt = [30, 31, 32]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    free = SamplingParams(temperature=1.0, max_tokens=20, seed=5, ignore_eos=True)
+    cuts = [replace(free, min_p=1.0), replace(free, top_p=1e-6), replace(free, top_k=1)]
+    outs = llm.generate([prompt] * 5, [free, *cuts, replace(free, seed=6)], use_tqdm=False)
+    assert [o.token_ids for o in outs[1:4]] == [greedy[0].token_ids] * 3
+    assert outs[0].token_ids != greedy[0].token_ids and outs[4].token_ids != greedy[0].token_ids
 
 
 def test_engine_seed_makes_unseeded_runs_repeatable(qwen3_dir):

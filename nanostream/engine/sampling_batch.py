@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,35 +18,71 @@ class SampledToken:
     logprobs: dict[int, float] | None  # sampled token and the top-N, when the request asked
 
 
+class SamplingRow(NamedTuple):
+    """One sequence's sampling values that never change while it runs: computed once per sequence,
+    so that a step of hundreds of rows transposes them (``zip``) instead of reading each parameter of
+    each row again."""
+
+    temperature: float  # 0 when greedy
+    top_p: float
+    min_p: float
+    top_k: int  # the vocabulary size when it keeps every token
+    seed: int
+    greedy: bool
+    narrows: bool  # its top-k or top-p cuts the distribution
+    logprobs: int  # -1: none asked for
+    rare: bool  # penalties, a logit bias or min_tokens over stop ids: read from its params each step
+
+
+def sampling_row(seq: Sequence, vocab_size: int) -> SamplingRow:
+    row = seq.sampling_row
+    if row is None:
+        x = seq.params
+        greedy, top_k = x.greedy, x.top_k if 0 < x.top_k < vocab_size else vocab_size  # k >= V keeps every token
+        rare = x.has_penalties or bool(x.logit_bias) or (x.min_tokens > 0 and bool(seq.stop_token_ids))
+        row = seq.sampling_row = SamplingRow(
+            0.0 if greedy else x.temperature,
+            x.top_p,
+            x.min_p,
+            top_k,
+            seq.sampling_seed,
+            greedy,
+            top_k < vocab_size or x.top_p < 1,
+            x.logprobs if x.logprobs is not None else -1,
+            rare,
+        )
+    return row
+
+
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
     """One row per sequence that samples this step, in order."""
-    p = [s.params for s in seqs]
-    greedy = [x.greedy for x in p]
-    vocab = vocab_size
-    top_ks = [x.top_k if 0 < x.top_k < vocab else vocab for x in p]  # k >= the vocabulary keeps every token
+    rows = [s.sampling_row or sampling_row(s, vocab_size) for s in seqs]
+    temperature, top_p, min_p, top_k, seeds, greedy, narrows, logprobs, rare = zip(*rows)
     f32, i64 = torch.float32, torch.int64
-    temperature, top_p, min_p = to_device_packed(
-        device,
-        f32,
-        [0.0 if g else x.temperature for g, x in zip(greedy, p)],
-        [x.top_p for x in p],
-        [x.min_p for x in p],
-    )
-    top_k, seeds, steps = to_device_packed(
-        device, i64, top_ks, [s.sampling_seed for s in seqs], [s.num_output_tokens for s in seqs]
-    )
+    temperature_t, top_p_t, min_p_t = to_device_packed(device, f32, temperature, top_p, min_p)
+    steps = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]  # each row's output tokens so far
+    top_k_t, seeds_t, steps_t = to_device_packed(device, i64, top_k, seeds, steps)
     batch = SamplingBatch(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seeds=seeds,
-        steps=steps,
+        temperature=temperature_t,
+        top_k=top_k_t,
+        top_p=top_p_t,
+        min_p=min_p_t,
+        seeds=seeds_t,
+        steps=steps_t,
         all_greedy=all(greedy),
-        needs_top_k_p=any(k < vocab for k in top_ks) or any(x.top_p < 1 for x in p),
-        needs_min_p=any(x.min_p > 0 for x in p),
-        max_logprobs=max((x.logprobs for x in p if x.logprobs is not None), default=-1),
+        needs_top_k_p=any(narrows),
+        needs_min_p=any(m > 0 for m in min_p),
+        max_logprobs=max(logprobs),
     )
+    if any(rare):
+        _add_rare(batch, seqs, vocab_size, device)
+    return batch
+
+
+def _add_rare(batch: SamplingBatch, seqs: list[Sequence], vocab: int, device: torch.device) -> None:
+    """Penalties, min_tokens bans and logit bias, for a step where some row has one."""
+    p = [s.params for s in seqs]
+    f32, i64 = torch.float32, torch.int64
     if any(x.has_penalties for x in p):
         batch.repetition_penalty = to_device([x.repetition_penalty for x in p], f32, device)
         batch.presence_penalty = to_device([x.presence_penalty for x in p], f32, device)
@@ -60,7 +97,6 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.dev
         rows, ids, values = zip(*triples)
         batch.bias_rows, batch.bias_ids = to_device_packed(device, i64, list(rows), list(ids))
         batch.bias_values = to_device(list(values), f32, device)
-    return batch
 
 
 def add_token_bitmask(batch: SamplingBatch, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:

@@ -64,6 +64,7 @@ class Sequence:
         self.grammar: Grammar | None = None  # structured outputs: set before the scheduler sees it
         self.error: str | None = None  # why, when it finished with "error"
         self.prompt_logprobs: list[dict[int, float] | None] = []  # per prompt position computed so far
+        self.sampling_row: tuple | None = None  # its params as one step's sampling reads them (sampling_batch.py)
 
     def __repr__(self) -> str:
         return (
