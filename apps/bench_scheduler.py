@@ -1,6 +1,7 @@
 """The busy loop's host work per decode step that is plain Python, without a model: the scheduler's
 ``schedule()``, ``launched()`` and ``resolve()`` for N running sequences (prefix caching on), and
-``pack_step()`` of their chunks (host lists and their upload, on the CPU).
+``pack_step()`` of their chunks and ``make_sampling_batch()`` of their sequences (host lists and their
+uploads, on the CPU).
 
     python3 apps/bench_scheduler.py --seqs 256 --block-size 256
 """
@@ -14,6 +15,7 @@ import time
 import torch
 
 from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.sampling_batch import make_sampling_batch
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import new_step, pack_step
@@ -52,8 +54,13 @@ def main() -> None:
         new_step(cpu)
         pack_step(chunks, bs, cpu)
     packing = (time.perf_counter() - start) / args.steps
+    seqs = [c.seq for c in chunks]
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        make_sampling_batch(seqs, 151_936, cpu)  # Qwen3's vocabulary
+    sampling = (time.perf_counter() - start) / args.steps
     print(f"{args.seqs} decode rows, blocks of {bs}: schedule + launched + resolve {scheduling * 1e6:.0f} us, "
-          f"pack_step {packing * 1e6:.0f} us a step")  # fmt: skip
+          f"pack_step {packing * 1e6:.0f} us, make_sampling_batch {sampling * 1e6:.0f} us a step")  # fmt: skip
 
 
 if __name__ == "__main__":
