@@ -130,14 +130,22 @@ stream|http)
             timeout 40 "$site/bin/py-spy" record --pid "$pid" --duration 10 --rate 250 --threads --idle --nonblocking \
                 --format raw --output "$out/engine.pyspy" >"$out/pyspy.log" 2>&1 &
             spy=$!
-            timeout 40 "$site/bin/py-spy" record --pid "$(pgrep -n -f '[s]pawn_main')" --duration 10 --rate 250 \
+            client=$(pgrep -n -f '[s]pawn_main')
+            timeout 40 "$site/bin/py-spy" record --pid "$client" --duration 10 --rate 250 \
                 --idle --nonblocking --format raw --output "$out/client.pyspy" >>"$out/pyspy.log" 2>&1
             wait $spy
+            # Where a client process's CPU goes, per thread (its Python, ZeroMQ's I/O thread, ...): jiffies
+            # (1/100 s) of user + system time, 5 s apart.
+            for _ in 1 2; do
+                for t in /proc/"$client"/task/*; do echo -n "$(cat "$t/comm"):$(awk '{print $14 + $15}' "$t/stat") "; done
+                echo; sleep 5
+            done >"$out/client-threads.txt" 2>&1
         fi
         wait $bs
         grep -v -E "INFO|Loading weights" "$out/stream.log" | tail -n 40
         [ -f "$out/engine.pyspy" ] && python3 apps/pyspy_summary.py "$out/engine.pyspy" --top 15 2>&1 | head -n 40
         [ -f "$out/client.pyspy" ] && python3 apps/pyspy_summary.py "$out/client.pyspy" --top 25 >"$out/client.txt" 2>&1
+        [ -f "$out/client-threads.txt" ] && echo "client threads (jiffies, 5 s apart):" && cat "$out/client-threads.txt"
     else
         timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64 --runs 5 \
             --http-workers "${WORKERS:-8}" "$@" >"$out/stream-http.log" 2>&1
