@@ -124,7 +124,7 @@ stream|http)
         timeout "${STREAM_S:-400}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64,8x32 --runs 5 "$@" \
             >"$out/stream.log" 2>&1 &
         bs=$!
-        for _ in $(seq 1 300); do grep -q "^client 4x64 round 0" "$out/stream.log" && break; sleep 1; done
+        for _ in $(seq 1 300); do grep -q "^client 4x64 round 0" "$out/stream.log" && break; kill -0 $bs || break; sleep 1; done
         pid=$(grep -o -m1 'engine pid [0-9]*' "$out/stream.log" | awk '{print $3}')
         if [ -n "$pid" ] && [ -x "$site/bin/py-spy" ]; then  # the engine, and one client process beside it
             timeout 40 "$site/bin/py-spy" record --pid "$pid" --duration 10 --rate 250 --threads --idle --nonblocking \
@@ -140,12 +140,21 @@ stream|http)
                 for t in /proc/"$client"/task/*; do echo -n "$(cat "$t/comm"):$(awk '{print $14 + $15}' "$t/stat") "; done
                 echo; sleep 5
             done >"$out/client-threads.txt" 2>&1
+            # The engine again over two 8x32 rounds: the shape whose rounds spread most, so that a slow
+            # round's profile can be set beside a fast one's (each round's figures say which is which).
+            for _ in $(seq 1 300); do grep -q "^client 8x32 round 0" "$out/stream.log" && break; kill -0 $bs || break; sleep 1; done
+            timeout 60 "$site/bin/py-spy" record --pid "$pid" --duration 24 --rate 250 --threads --idle --nonblocking \
+                --format raw --output "$out/engine-8x32.pyspy" >>"$out/pyspy.log" 2>&1
         fi
         wait $bs
         grep -v -E "INFO|Loading weights" "$out/stream.log" | tail -n 40
         [ -f "$out/engine.pyspy" ] && python3 apps/pyspy_summary.py "$out/engine.pyspy" --top 15 2>&1 | head -n 40
-        [ -f "$out/client.pyspy" ] && python3 apps/pyspy_summary.py "$out/client.pyspy" --top 25 >"$out/client.txt" 2>&1
         [ -f "$out/client-threads.txt" ] && echo "client threads (jiffies, 5 s apart):" && cat "$out/client-threads.txt"
+        # At most 8 files come back: the profiles' summaries in one, the raw profiles in one tar.
+        for f in engine engine-8x32 client; do
+            [ -f "$out/$f.pyspy" ] && echo "== $f ==" && python3 apps/pyspy_summary.py "$out/$f.pyspy" --top 30 2>&1
+        done >"$out/profiles.txt"
+        (cd "$out" && tar -cf pyspy.tar ./*.pyspy && rm -f ./*.pyspy)
     else
         timeout "${STREAM_S:-300}" python3 apps/bench_stream.py "${common[@]}" --shapes 4x64 --runs 5 \
             --http-workers "${WORKERS:-8}" "$@" >"$out/stream-http.log" 2>&1
