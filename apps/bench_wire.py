@@ -20,9 +20,9 @@ import struct
 import tempfile
 import time
 
-import numpy as np
 import zmq
 import zmq.asyncio
+from engine_readings import ms, percentiles
 
 STAMP = struct.Struct("<d")
 
@@ -58,7 +58,7 @@ def client(kind: str, where: str, index: int, n: int, ready, results) -> None:
     asyncio.run((_read_zmq if kind == "zmq" else _read_unix)(where, index, n, ready, results))
 
 
-def run(kind: str, args: argparse.Namespace) -> dict[int, np.ndarray]:
+def run(kind: str, args: argparse.Namespace) -> dict[int, list[float]]:
     ctx, tmp = mp.get_context("spawn"), tempfile.mkdtemp()
     ready, results = ctx.Queue(), ctx.Queue()
     payload = os.urandom(args.bytes - STAMP.size)
@@ -103,7 +103,7 @@ def run(kind: str, args: argparse.Namespace) -> dict[int, np.ndarray]:
         for conn in conns:
             conn.close()
         listener.close()
-    return {i: np.asarray(v[args.messages // 10 :]) for i, v in lags.items()}  # the first tenth: warm-up
+    return {i: v[args.messages // 10 :] for i, v in lags.items()}  # the first tenth: warm-up
 
 
 def main() -> None:
@@ -115,12 +115,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.clients} clients, a {args.bytes}-byte message each every {args.period_ms:g} ms, {args.messages} each")
 
-    def ms(lags: np.ndarray) -> str:
-        return " / ".join(f"{1e3 * x:.3f}" for x in np.percentile(lags, [50, 90, 99]))
-
     for kind in ("zmq", "unix"):
         lags = run(kind, args)
-        every, first, last = np.concatenate(list(lags.values())), lags[0], lags[args.clients - 1]
+        every = [lag for v in lags.values() for lag in v]
+        every, first, last = (percentiles(v) for v in (every, lags[0], lags[args.clients - 1]))
         print(f"{kind:>4}: stamp -> reader awake p50/p90/p99 ms: all {ms(every)}; first {ms(first)}; last {ms(last)}")
 
 

@@ -34,29 +34,28 @@ class SamplingRow(NamedTuple):
     rare: bool  # penalties, a logit bias or min_tokens over stop ids: read from its params each step
 
 
-def sampling_row(seq: Sequence, vocab_size: int) -> SamplingRow:
-    row = seq.sampling_row
-    if row is None:
-        x = seq.params
-        greedy, top_k = x.greedy, x.top_k if 0 < x.top_k < vocab_size else vocab_size  # k >= V keeps every token
-        rare = x.has_penalties or bool(x.logit_bias) or (x.min_tokens > 0 and bool(seq.stop_token_ids))
-        row = seq.sampling_row = SamplingRow(
-            0.0 if greedy else x.temperature,
-            x.top_p,
-            x.min_p,
-            top_k,
-            seq.sampling_seed,
-            greedy,
-            top_k < vocab_size or x.top_p < 1,
-            x.logprobs if x.logprobs is not None else -1,
-            rare,
-        )
-    return row
+def _sampling_row(seq: Sequence, vocab_size: int) -> SamplingRow:
+    """``seq``'s row, computed and kept on it (the first step that samples it)."""
+    x = seq.params
+    greedy, top_k = x.greedy, x.top_k if 0 < x.top_k < vocab_size else vocab_size  # k >= V keeps every token
+    rare = x.has_penalties or bool(x.logit_bias) or (x.min_tokens > 0 and bool(seq.stop_token_ids))
+    seq.sampling_row = SamplingRow(
+        0.0 if greedy else x.temperature,
+        x.top_p,
+        x.min_p,
+        top_k,
+        seq.sampling_seed,
+        greedy,
+        top_k < vocab_size or x.top_p < 1,
+        x.logprobs if x.logprobs is not None else -1,
+        rare,
+    )
+    return seq.sampling_row
 
 
 def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
     """One row per sequence that samples this step, in order."""
-    rows = [s.sampling_row or sampling_row(s, vocab_size) for s in seqs]
+    rows = [s.sampling_row or _sampling_row(s, vocab_size) for s in seqs]
     temperature, top_p, min_p, top_k, seeds, greedy, narrows, logprobs, rare = zip(*rows)
     f32, i64 = torch.float32, torch.int64
     temperature_t, top_p_t, min_p_t = to_device_packed(device, f32, temperature, top_p, min_p)
