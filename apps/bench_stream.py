@@ -6,7 +6,9 @@ Usage::
     python apps/bench_stream.py --threads 1 --num-requests 64 --max-input-len 256 \\
         --min-output-len 32 --max-output-len 128 --shapes 4x16 --runs 2     # a quick look on a CPU
     python apps/bench_stream.py --model DIR --shapes 4x64,8x32 --runs 5    # the recorded runs
-    python apps/bench_stream.py --model DIR --shapes 4x64 --runs 3 --http-workers 4   # through HTTP
+    python apps/bench_stream.py --model DIR --shapes 4x64 --runs 3 --http-workers 4   # and through HTTP
+    python apps/bench_stream.py --model DIR --shapes 4x64 --runs 2 --http-workers 2,8 --http-only \\
+        --stream-interval 4                          # HTTP only, with 2 then 8 frontend workers
 
 What runs, in this order (the two never share the machine):
 
@@ -16,9 +18,10 @@ What runs, in this order (the two never share the machine):
 2. streamed: ``EngineProcess`` starts ``nanostream serve`` with the same engine options. For each
    shape P×S, P client processes each run S concurrent streams (request i goes to stream i mod P×S;
    a stream runs its requests one after another), ``--runs`` rounds, the engine's counters read
-   around each. Then, with ``--http-workers W``, ``--runs`` rounds of the first shape through
-   ``nanostream frontend openai --workers W`` on the same engine, as server-sent events (read with
-   aiohttp, as ``vllm bench serve`` reads them, where it is installed; else with httpx).
+   around each. Then, with ``--http-workers W[,W...]``, for each W in turn, ``--runs`` rounds of the
+   first shape through ``nanostream frontend openai --workers W`` on the same engine, as server-sent
+   events (read with aiohttp, as ``vllm bench serve`` reads them, where it is installed; else with
+   httpx). ``--http-only`` skips the AsyncClient rounds (not the offline runs: the ratios need them).
 
 Every run and round has a workload of its own: apps/bench.py's lengths with fresh prompt ids (the
 first offline run: exactly apps/bench.py's), so that the prefix cache helps none of them.
@@ -29,7 +32,9 @@ newest token; client mode; in brackets its wire part, up to the client's reader 
 off its socket, the rest being that process's event loop), tokens per chunk or SSE event, elapsed /
 engine steps (the loop's period),
 the engine's host time and device wait per step (``EngineStats.device_wait_seconds``: near 0 means
-the device waited for the host), and the CPU cores of the engine, clients and frontend.
+the device waited for the host), the CPU cores of the engine, clients and frontend, and the
+frontend's CPU µs per output token (what ``--stream-interval`` saves it). One HTTP table per worker
+count.
 ``--profile DIR`` writes cProfiles of the engine's busy loop (its whole life) and of each client's
 last round (a profiled run is slower: do not record its figures).
 """
@@ -156,6 +161,8 @@ class Round:
     traces: list[Trace]
     client_cpu: float  # s, all client processes
     engine: EngineRun
+    workers: int = 0  # the frontend's; 0: through AsyncClient
+    frontend_cpu: float = float("nan")  # s, all frontend processes
     frontend_cores: float = float("nan")
 
     @property
@@ -170,6 +177,9 @@ class Round:
 
     def chunks(self) -> int:
         return sum(len(t.arrivals) for t in self.traces)
+
+    def label(self) -> str:
+        return f"{self.shape} w{self.workers}" if self.workers else self.shape
 
 
 def split(workload: list[Request], processes: int, per_process: int) -> list[list[list[Request]]]:
@@ -206,7 +216,7 @@ def collect_round(procs, results, round_: int) -> tuple[list[Trace], float]:
     return traces, cpu
 
 
-def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProcess, target: Target, fpids):
+def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProcess, target: Target, fpids, workers=0):
     processes, per_process = shape
     ctx = mp.get_context("spawn")
     barrier, results, procs = ctx.Barrier(processes + 1), ctx.Queue(), []
@@ -231,14 +241,16 @@ def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProces
             traces, cpu = collect_round(procs, results, r)
             after = Reading(engine_counters(engine.address), process_cpu(engine.pid), machine_jiffies())
             elapsed = max(t.arrivals[-1] for t in traces if t.arrivals) - min(t.sent for t in traces)
-            run = Round(f"{processes}x{per_process}", r, traces, cpu, EngineRun.between(before, after, elapsed))
-            if target.base_url is not None:
-                run.frontend_cores = (sum(process_cpu(pid) for pid in fpids()) - front) / (after.time - before.time)
+            engine_run = EngineRun.between(before, after, elapsed)
+            run = Round(f"{processes}x{per_process}", r, traces, cpu, engine_run, workers)
+            if workers:
+                run.frontend_cpu = sum(process_cpu(pid) for pid in fpids()) - front
+                run.frontend_cores = run.frontend_cpu / (after.time - before.time)
             errors = [t.error for t in traces if t.error]
             if errors:
                 print(f"warning: {len(errors)} request(s) failed, e.g. {errors[0]}")
             out.append(run)
-            print(progress(run, target.base_url is not None), flush=True)  # a run cut short still says this much
+            print(progress(run), flush=True)  # a run cut short still says this much
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -276,32 +288,35 @@ def openai_frontend(address: str, workers: int):
         proc.wait(30)
 
 
-def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[Round]]:
-    """The AsyncClient rounds of every shape, then the HTTP rounds; ``fresh(i)``: workload number i."""
+def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[list[Round]]]:
+    """The AsyncClient rounds of every shape, then the HTTP rounds per worker count; ``fresh(i)``:
+    workload number i."""
     engine = EngineProcess(str(model), seed=args.seed, stream_interval=args.stream_interval, **engine_kwargs)
     if args.profile:  # the same `serve`, under cProfile: its main thread (the busy loop), its whole life
         engine.cmd[1:2] = ["-m", "cProfile", "-o", str(args.profile / "engine.prof"), "-m"]
     direct, http = [], []
     with engine:
         print(f"streamed: engine pid {engine.pid} at {engine.address}, stream_interval {args.stream_interval}")
-        for k, shape in enumerate(args.shapes):
+        for k, shape in enumerate([] if args.http_only else args.shapes):
             rounds = [fresh(100 * (k + 1) + r) for r in range(args.runs)]
             direct += run_shape(args, shape, rounds, warmup, engine, Target(address=engine.address), list)
-        if args.http_workers:
-            with openai_frontend(engine.address, args.http_workers) as (base, fpids):
-                rounds = [fresh(10_000 + r) for r in range(args.runs)]
+        for k, workers in enumerate(args.http_workers):
+            with openai_frontend(engine.address, workers) as (base, fpids):
+                rounds = [fresh(10_000 + 100 * k + r) for r in range(args.runs)]
                 target = Target(base_url=base, model=model.name)
-                http += run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids)
+                http.append(run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers))
     return direct, http
 
 
 # ---- report --------------------------------------------------------------------------------------
 
 
-def progress(r: Round, http: bool) -> str:
+def progress(r: Round) -> str:
     eng = r.engine
+    # The worker count after the round: gpu_suite.sh waits for "^http [0-9x]* round 0".
+    via = f"http {r.shape} round {r.index} w{r.workers}" if r.workers else f"client {r.shape} round {r.index}"
     return (
-        f"{'http' if http else 'client'} {r.shape} round {r.index}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
+        f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
         f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {delivery(r)} ms{fan_out(r)}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
@@ -331,9 +346,14 @@ def fan_out(r: Round) -> str:
     return f" (a message's first stream +{1e3 * first:.2f}, last +{1e3 * last:.2f} ms)"
 
 
-def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
-    target = HTTP_TARGET if http else THROUGHPUT_TARGET
+def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str:
+    """One table: AsyncClient's rounds, or (``workers`` > 0) those through a frontend with that many workers."""
+    target = HTTP_TARGET if workers else THROUGHPUT_TARGET
     off_ttft = percentiles(offline.ttft)
+    if workers:
+        own = ("tokens/event", "frontend cores", "frontend µs/token")
+    else:
+        own = ("delivery p50 ms (wire)", "tokens/chunk")
     rows = [
         (
             "shape",
@@ -342,8 +362,7 @@ def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
             "streamed tok/s",
             "ratio",
             "TTFT p50 ms",
-            "delivery p50 ms (wire)" if not http else "tokens/event",
-            "tokens/chunk" if not http else "frontend cores",
+            *own,
             "period ms (off)",
             "host ms/step (off)",
             "device wait ms/step (off)",
@@ -359,22 +378,21 @@ def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
         ratio = (r.output_tokens() / r.elapsed) / median
         worst = min(worst, ratio)
         eng = r.engine
-        if http:
-            col6 = f"{r.output_tokens() / max(sum(t.events for t in r.traces), 1):.2f}"
-            col7 = f"{r.frontend_cores:.2f}"
+        tokens_out = max(r.output_tokens(), 1)
+        if workers:
+            events = max(sum(t.events for t in r.traces), 1)
+            own = (f"{tokens_out / events:.2f}", f"{r.frontend_cores:.2f}", f"{1e6 * r.frontend_cpu / tokens_out:.1f}")
         else:
-            col6 = delivery(r)
-            col7 = f"{r.output_tokens() / max(r.chunks(), 1):.2f}"
+            own = (delivery(r), f"{tokens_out / max(r.chunks(), 1):.2f}")
         rows.append(
             (
-                r.shape,
+                r.label(),
                 str(r.index),
                 f"{tokens / elapsed:,.0f}",
                 f"{r.output_tokens() / r.elapsed:,.0f}",
                 f"{ratio:.3f}",
                 f"{1e3 * percentiles(r.ttft())[0]:.0f}",
-                col6,
-                col7,
+                *own,
                 f"{1e3 * eng.period():.2f} ({1e3 * off.period():.2f})",
                 f"{eng.host_ms():.2f} ({off.host_ms():.2f})",
                 f"{eng.wait_ms():.2f} ({off.wait_ms():.2f})",
@@ -383,7 +401,7 @@ def report(args, offline: Offline, rounds: list[Round], http: bool) -> str:
             )
         )
     gaps = [b - a for r in rounds for t in r.traces for a, b in pairwise(t.arrivals)]
-    via = f"HTTP ({args.http_workers} frontend worker(s))" if http else "AsyncClient"
+    via = f"HTTP ({workers} frontend worker(s))" if workers else "AsyncClient"
     lines = [
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
         f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
@@ -405,6 +423,19 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def parse_workers(text: str) -> list[int]:
+    """``2,8`` -> [2, 8]; ``0``: no HTTP rounds."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if counts == [0]:
+        return []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--http-workers takes counts such as 8 or 2,8 (0: no HTTP), not {text!r}")
+    return counts
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -416,7 +447,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     clients.add_argument("--runs", type=int, default=1, help="rounds per shape (and offline runs)")
     clients.add_argument(
-        "--http-workers", type=int, default=0, help="then the first shape through the OpenAI frontend with W workers"
+        "--http-workers",
+        type=parse_workers,
+        default="0",
+        help="then the first shape through the OpenAI frontend with W workers, for each W of a comma-separated "
+        "list in turn (one table each); 0: no HTTP",
+    )
+    clients.add_argument(
+        "--http-only",
+        action="store_true",
+        help="skip the AsyncClient rounds (the offline runs still happen: the ratios need them)",
     )
     clients.add_argument(
         "--stream-interval",
@@ -428,8 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args(argv)
     check_workload_args(parser, args)
-    if args.runs < 1 or args.stream_interval < 1 or args.http_workers < 0:
-        parser.error("--runs and --stream-interval must be positive, --http-workers at least 0")
+    if args.runs < 1 or args.stream_interval < 1:
+        parser.error("--runs and --stream-interval must be positive")
+    if args.http_only and not args.http_workers:
+        parser.error("--http-only skips the AsyncClient rounds: give --http-workers W for the HTTP ones")
     for p, s in args.shapes:
         if p * s > args.num_requests:
             parser.error(f"shape {p}x{s} has more streams than --num-requests ({args.num_requests})")
@@ -459,9 +501,10 @@ def main(argv: list[str] | None = None) -> None:
         # One workload per offline run, and one more for the offline TTFT.
         offline = run_offline(args, model, [fresh(i) for i in range(args.runs + 1)], warmup, engine_kwargs)
         direct, http = run_streamed(args, model, fresh, warmup, engine_kwargs)
-    print(report(args, offline, direct, http=False))
-    if http:
-        print(report(args, offline, http, http=True))
+    if direct:
+        print(report(args, offline, direct))
+    for workers, rounds in zip(args.http_workers, http):
+        print(report(args, offline, rounds, workers))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@
 #   bash apps/gpu_suite.sh http    # apps/bench_stream.py through HTTP (WORKERS, 8), then apps/bench_serve.py, ~6 min
 #   bash apps/gpu_suite.sh profile # 3 rounds of 4x64 through AsyncClient and HTTP (4 workers) with py-spy on
 #                                  #   the engine and the frontend workers, then bench_structured under py-spy
-#   bash apps/gpu_suite.sh interval # bench_stream.py at --stream-interval INTERVALS (4), AsyncClient and HTTP
+#   bash apps/gpu_suite.sh interval # bench_stream.py at each --stream-interval of INTERVALS (1 4), HTTP only,
+#                                  #   with WORKERS (2,8) frontend workers in turn, STREAM_S (240 s) each at most
 #   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
@@ -198,15 +199,16 @@ profile)
     done
     structured_bench --py-spy ;;
 interval)
-    # What stream_interval buys at 256 streams: INTERVALS rounds of 4x64 through AsyncClient and HTTP.
+    # What stream_interval buys through HTTP at 256 streams: per interval in INTERVALS, one bench_stream run
+    # of RUNS rounds of 4x64 through the frontend at each worker count of WORKERS (one table each).
     python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
         || tail -n 5 "$out/install.log"
-    for si in ${INTERVALS:-4}; do
-        pkill -9 -f '[n]anostream serve'
-        timeout "${STREAM_S:-200}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
-            --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-8}" \
+    for si in ${INTERVALS:-1 4}; do
+        pkill -9 -f '[n]anostream (serve|frontend)'
+        timeout "${STREAM_S:-240}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+            --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-2,8}" --http-only \
             --stream-interval "$si" "$@" >"$out/interval-$si.log" 2>&1
-        grep -v -E "INFO|Loading weights" "$out/interval-$si.log" | grep -E "^(==|shape|4x64)" | tail -n 8
+        grep -v -E "INFO|Loading weights" "$out/interval-$si.log" | grep -E "^(==|shape|4x64)" | tail -n 24
     done ;;
 regress)
     # Issue 16's check that tp=1 did not regress: the same bench in two checkouts on one warm machine.
