@@ -91,6 +91,17 @@ def test_prompt_logprobs_match_hf_with_chunked_prefill_and_cached_prefixes(qwen3
     assert llm.generate([PROMPT], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_logprobs is None
 
 
+def test_zero_prompt_logprobs_of_a_one_token_prompt_cost_its_step_nothing(llm):
+    # Found by tests/test_fuzz.py: a step whose only prompt-logprob rows were one-token prompts asking
+    # for 0 top logprobs raised, and failed every request in it (another client's too).
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids
+    for top in (0, 3):
+        out = llm.generate([PROMPT, [7]], [greedy, replace(greedy, prompt_logprobs=top)], use_tqdm=False)
+        assert out[0].token_ids == alone and len(out[1].token_ids) == 4
+        assert out[1].prompt_logprobs == [None]
+
+
 def test_logit_bias_forces_and_bans_tokens(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = llm.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids

@@ -73,8 +73,8 @@ def launch_prompt_logprobs(
         own = logprobs.gather(-1, targets_t[i : i + _ROWS_PER_PASS, None])[:, 0]
         top_lps, top_ids = logprobs.topk(top, -1)
         parts.append((own, top_ids, top_lps))
-    if not parts:
+    if not parts:  # only one-token prompts (with top 0, an empty [0, 0] has no column to take)
         empty = torch.empty(0, top, device=device)
-        return PromptLogprobs(spans, empty[:, 0], empty.long(), empty)
+        return PromptLogprobs(spans, torch.empty(0, device=device), empty.long(), empty)
     own, top_ids, top_lps = (torch.cat(p) for p in zip(*parts))
     return PromptLogprobs(spans, own, top_ids, top_lps)
