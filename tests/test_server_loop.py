@@ -19,7 +19,7 @@ OPTIONS = dict(device="cpu", kvcache_block_size=16, max_model_len=512)
 
 @pytest.fixture
 def anyio_backend():
-    return "asyncio"  # the client runs on asyncio (zmq.asyncio)
+    return "asyncio"  # the client runs on asyncio (its socket is read in an asyncio reader callback)
 
 
 @pytest.fixture

@@ -4,9 +4,10 @@
         async for chunk in client.stream("Once upon a time", max_tokens=64, temperature=0.7):
             print(chunk.text, end="", flush=True)
 
-One DEALER socket per client and one reader task multiplex every stream: the reader only merges each
-request's new tokens into that request's mailbox, so a slow consumer never blocks the engine, the
-reader or other streams, and holds at most its own request's tokens. Text is decoded here, in the
+One DEALER socket per client and one reader (the event loop's callback on that socket) multiplex
+every stream: the reader only merges each request's new tokens into that request's mailbox, so a
+slow consumer never blocks the engine, the reader or other streams, and holds at most its own
+request's tokens. Text is decoded here, in the
 client, incrementally (see ``IncrementalDetokenizer``). Leaving a stream early (break, cancel,
 ``aclose()``) aborts its request in the engine at once.
 

@@ -12,6 +12,7 @@ its connection closes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -21,7 +22,6 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
@@ -62,7 +62,7 @@ class Connection:
         self._stats_waiters: list[tuple[anyio.Event, list]] = []
         self._dead: BaseException | None = None  # fatal: the engine refused this client for good
         self._lost: BaseException | None = None  # why the client is not registered now (None: it is)
-        self._registered = anyio.Event()
+        self._registered = asyncio.Event()  # (not anyio's: the socket callbacks, outside any task, make new ones)
         self._connected = False  # a connection to the engine's address is up
         self._welcome: p.Welcome | None = None
         self._last_hello = 0.0
@@ -73,7 +73,8 @@ class Connection:
         if self._state != "new":
             raise ClientClosedError(f"this AsyncClient is already {self._state}; create a new one")
         self._state = "connecting"
-        self._ctx = zmq.asyncio.Context()
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -84,13 +85,14 @@ class Connection:
         self._sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
+        self._reply: asyncio.Future[p.EngineMessage] = self._loop.create_future()  # the hello's answer
+        self._later: asyncio.Queue = asyncio.Queue()  # (coroutine function, its argument) for _run_later
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._on_readable)
         try:
             with anyio.fail_after(self.timeout):
-                await self._sock.send(self._hello())
-                while True:
-                    reply = p.decode_engine_message(await self._sock.recv())
-                    if not isinstance(reply, p.Heartbeat):
-                        break
+                self._send_now(self._hello())
+                reply = await self._reply
         except TimeoutError:
             self._teardown()
             raise EngineDeadError(
@@ -107,9 +109,10 @@ class Connection:
         await self._tg.__aenter__()
         # Heartbeats flow from here on, so however long the tokenizer takes to load, the engine
         # never takes this client for a silent one.
-        self._tg.start_soon(self._read_loop)
         self._tg.start_soon(self._heartbeat_loop)
-        self._tg.start_soon(self._monitor_loop)
+        self._tg.start_soon(self._run_later)
+        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        self._on_monitor()  # the events of the connection so far
         try:
             self.tokenizer = await anyio.to_thread.run_sync(
                 _load_tokenizer, reply.tokenizer_digest, reply.tokenizer_files
@@ -138,6 +141,8 @@ class Connection:
 
     def _teardown(self) -> None:
         self._state = "closed"
+        self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=200)  # (ms) time for the Bye to go out; nothing else waits to be sent
@@ -150,13 +155,24 @@ class Connection:
             raise ClientClosedError("the AsyncClient is not connected: use `async with AsyncClient(...) as client`")
 
     def _send_now(self, frame: bytes) -> bool:
-        """Send without waiting; False if ZeroMQ refused the frame (an asyncio socket reports that in
-        the send's future)."""
-        future = self._sock.send(frame, flags=zmq.NOBLOCK)
-        if future.done():
-            return future.exception() is None
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved"
+        """Send without waiting; False if ZeroMQ refused the frame."""
+        try:
+            self._sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        self._recheck()  # a send can take the descriptor's signal for a message that came meanwhile
         return True
+
+    def _recheck(self) -> None:
+        """Read what waits, soon: ZeroMQ's descriptor signals an edge, which any call on the socket
+        (a send, a look at its events) may have taken without the reader seeing it."""
+        self._loop.call_soon(self._on_readable)
+
+    def _input_waits(self) -> bool:
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._recheck()
+            return True
+        return False
 
     def _check_reachable(self) -> None:
         """Raise at once, rather than when the request is sent, if no engine is even connected."""
@@ -185,21 +201,35 @@ class Connection:
         if not self._registered.is_set():
             raise EngineDeadError(f"not connected to an engine at {self.address} ({self._lost}); retry later")
 
-    async def _read_loop(self) -> None:
+    def _on_readable(self) -> None:
+        """The event loop's callback on the socket's descriptor: every message waiting is handled here
+        and now (a step's outputs reach their mailboxes without a reader task to wake first)."""
         while True:
-            frame = await self._sock.recv()
+            try:  # (a look at the events costs a fifth of a read that finds nothing)
+                if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:  # the socket closed meanwhile
+                return
             self._last_heard = received = time.monotonic()
             try:
                 message = p.decode_engine_message(frame)
             except ProtocolError as exc:
-                log.warning("ignoring a message from the engine: %s", exc)
+                if not self._reply.done():  # the answer to the hello: connect() raises it
+                    self._reply.set_exception(exc)
+                else:
+                    log.warning("ignoring a message from the engine: %s", exc)
+                continue
+            if not self._reply.done():
+                if not isinstance(message, p.Heartbeat):
+                    self._reply.set_result(message)
                 continue
             try:
                 if isinstance(message, p.Welcome):  # rare: a new registration may bring a new tokenizer
-                    await self._welcomed_again(message)
+                    self._later.put_nowait((self._welcomed_again, message))
                 else:
-                    self._dispatch(message, received)  # no await: the reader's per-step path stays a plain call
-            except Exception as exc:  # a bug here must not take the caller's task group down
+                    self._dispatch(message, received)
+            except Exception as exc:  # a bug here must not go unseen: every stream hears of it
                 log.exception("handling a %s from the engine failed", type(message).__name__)
                 self._die(EngineDeadError(f"the client failed on a message from the engine: {exc!r}"))
                 return
@@ -223,6 +253,17 @@ class Connection:
                 self._lose(ConnectionLostError(f"{message.message}; this client registers again"))
             else:
                 log.warning("engine error: %s", message.message)
+
+    async def _run_later(self) -> None:
+        """What the socket callbacks met that has to wait on something (a tokenizer to load, the last
+        messages of a closed connection), one at a time and in order."""
+        while True:
+            work, arg = await self._later.get()
+            try:
+                await work(arg)
+            except Exception as exc:
+                log.exception("handling an event of the connection failed")
+                self._die(EngineDeadError(f"the client failed on an event of its connection: {exc!r}"))
 
     async def _welcomed_again(self, message: p.Welcome) -> None:
         if self._registered.is_set():  # an answer to a hello said twice
@@ -250,7 +291,7 @@ class Connection:
                 # engine: give what it sent meanwhile two beats to arrive (it may say we were dropped).
                 self._last_heard = max(self._last_heard, now - self.timeout + 2 * interval)
             if self._lost is None and now - self._last_heard >= self.timeout:
-                if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # messages wait: read them first
+                if self._input_waits():  # messages wait: read them first
                     await anyio.sleep(0.001)
                     continue
                 self._lose(
@@ -265,22 +306,28 @@ class Connection:
             if self._lost is not None:
                 self._last_heard = max(self._last_heard, now)  # a lost client times nothing out
 
-    async def _monitor_loop(self) -> None:
+    def _on_monitor(self) -> None:
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.ZMQError:  # nothing more (or closed)
+                return
             if event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
-                # What the engine sent before it went (a shutdown's terminal outputs) is still queued
-                # here: let the reader take it first, so that each stream ends with its own reason.
-                with anyio.move_on_after(1.0):
-                    await anyio.sleep(0.01)  # (it may still be on its way from ZeroMQ's I/O thread)
-                    while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await anyio.sleep(0.001)
-                self._lose(ConnectionLostError(f"lost the connection to the engine at {self.address}"))
+                self._later.put_nowait((self._disconnected, None))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 if self._lost is not None:
                     self._send_hello()
+
+    async def _disconnected(self, _: None) -> None:
+        # What the engine sent before it went (a shutdown's terminal outputs) is still queued here:
+        # let the reader take it first, so that each stream ends with its own reason.
+        with anyio.move_on_after(1.0):
+            await anyio.sleep(0.01)  # (it may still be on its way from ZeroMQ's I/O thread)
+            while self._input_waits():
+                await anyio.sleep(0.001)
+        self._lose(ConnectionLostError(f"lost the connection to the engine at {self.address}"))
 
     def _lose(self, exc: EngineDeadError) -> None:
         """The engine no longer knows this client: end every open stream with ``exc``; say hello again
@@ -289,7 +336,7 @@ class Connection:
             return
         log.error("%s", exc)
         self._lost = exc
-        self._registered = anyio.Event()
+        self._registered = asyncio.Event()
         self._fail_all(exc)
         if self._connected:  # else on the next connection: what is sent now would wait for it in a queue
             self._send_hello()
