@@ -210,3 +210,49 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers():
     ids = tok("a , b .").input_ids
     assert decoder_of(tok)(ids, True) == tok.decode(ids, skip_special_tokens=True)
     assert decoder_of(tok).__code__.co_freevars == ("tokenizer",)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 511), min_size=1, max_size=8),
+    ids=st.lists(st.integers(0, 511), max_size=30),
+    chunk=st.integers(1, 4),
+    skip=st.booleans(),
+)
+def test_the_tokenizers_stream_releases_what_the_python_path_does_chunk_for_chunk(tok, prompt, ids, chunk, skip):
+    fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    slow._stream = None
+    if not tok.decode(prompt[-5:], skip_special_tokens=skip).endswith("\ufffd"):
+        assert fast._stream is not None  # the test tokenizer is a fast one: its own stream does the work
+    for i in range(0, len(ids), chunk):
+        assert fast.add(ids[i : i + chunk]) == slow.add(ids[i : i + chunk])
+    assert fast.finish() == slow.finish()
+
+
+def test_a_prompt_ending_inside_a_character_is_left_to_the_python_path(tok):
+    prompt = tok("once 世").input_ids
+    prompt = prompt[:-1]  # the last character's final byte (byte-level BPE: its own token) cut off
+    assert tok.decode(prompt[-5:]).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, prompt)
+    assert detok._stream is None
+    ids = tok("once 世界").input_ids[len(prompt) :]
+    assert "".join(detok.add([i]) for i in ids) + detok.finish() == decode_output(tok, prompt, ids)
+
+
+def test_a_stream_that_refuses_a_token_hands_over_to_the_python_path_without_a_gap(tok):
+    class Refusing:  # the library's stream, refusing its fourth token as it does text it cannot follow
+        def __init__(self, inner):
+            self.inner, self.steps = inner, 0
+
+        def step(self, tokenizer, token_id):
+            self.steps += 1
+            if self.steps == 4:
+                raise Exception("Invalid prefix encountered")
+            return self.inner.step(tokenizer, token_id)
+
+    prompt, ids = tok("Once upon").input_ids, tok(TEXT).input_ids
+    detok = IncrementalDetokenizer(tok, prompt)
+    detok._stream = Refusing(detok._stream)
+    text = "".join(detok.add([i]) for i in ids) + detok.finish()
+    assert detok._stream is None and text == decode_output(tok, prompt, ids)

@@ -30,23 +30,45 @@ def _new_text(prefix: str, full: str) -> str:
     return full[n:]
 
 
-def decoder_of(tokenizer: Any) -> Callable[[list[int], bool], str]:
-    """``tokenizer.decode`` as a function of (ids, skip_special_tokens). For a fast tokenizer whose
-    decode transformers passes straight to its Rust tokenizer (no clean-up of spaces, no override), the
-    Rust decode itself: the same text at a fraction of the cost, which a client that detokenizes
-    hundreds of streams pays for every token of each (twice)."""
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer behind a fast tokenizer whose decode transformers passes straight to it (no
+    clean-up of spaces, no override), else None: the same text at a fraction of the cost, which a
+    client that detokenizes hundreds of streams pays for every token of each."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        try:
-            from transformers import PreTrainedTokenizerFast
-            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        except ImportError:  # pragma: no cover - transformers is a dependency
-            pass
-        else:
-            cls = type(tokenizer)
-            if cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode:
-                return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    cls = type(tokenizer)
+    if cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode:
+        return backend
+    return None
+
+
+def decoder_of(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """``tokenizer.decode`` as a function of (ids, skip_special_tokens), through Rust where it may."""
+    backend = rust_tokenizer(tokenizer)
+    if backend is not None:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _decode_stream(backend: Any, context: list[int], context_text: str, skip: bool) -> Any | None:
+    """The tokenizers library's own incremental decoder, primed with the prompt's tail: one Rust call
+    per token. None where it cannot stand in for the Python path: no Rust tokenizer, a tokenizers
+    too old to prime one, or a prompt that ends inside a character (the stream would emit the
+    prompt's text with the character's end)."""
+    if backend is None or context_text.endswith("\ufffd"):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=context, skip_special_tokens=skip)
+    except (ImportError, TypeError):
+        return None
 
 
 def decode_output(
@@ -70,6 +92,7 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self._rust = rust_tokenizer(tokenizer)
         self._decode_ids = decoder_of(tokenizer)
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
@@ -82,6 +105,10 @@ class IncrementalDetokenizer:
         self.text = ""  # all final text so far (some of it maybe not released yet)
         self.released = 0  # characters of self.text handed out
         self.stopped_by: str | None = None  # the stop string that ended the text
+        # Where it may, tokenizers' DecodeStream does what _advance does, keeping the same offsets, so
+        # that the Python path can take over at any token (finish() always takes it).
+        context_text = self._decode(self.ids) if self._rust is not None else ""
+        self._stream = _decode_stream(self._rust, self.ids, context_text, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, self.skip_special_tokens)
@@ -111,7 +138,18 @@ class IncrementalDetokenizer:
                 break
             self.ids.append(token_id)
             self.num_output_tokens += 1
-            self._advance(final=False)
+            if self._stream is None:
+                self._advance(final=False)
+                continue
+            try:
+                piece = self._stream.step(self._rust, token_id)
+            except Exception:  # text the stream refuses (it does not begin with what came before)
+                self._stream = None
+                self._advance(final=False)
+                continue
+            if piece is not None:  # what _advance would have released for this token
+                self._append(piece)
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         end = len(self.text) if self.stopped_by is not None else len(self.text) - self.holdback
         return self._release(end)
 
