@@ -103,6 +103,7 @@ def round_workload(workload: list[Request], seed: int, index: int, vocab_size: i
 class Offline:
     runs: list[tuple[float, int, EngineRun]]  # (elapsed s, output tokens, engine counters) per round
     ttft: list[float]  # s, each request's first token after all were queued
+    ttft_split: str = ""  # that run's engine part of it (EngineRun.first_token_split)
 
 
 def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwargs, seed, threads) -> Offline:
@@ -128,13 +129,15 @@ def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwar
         run = runs[-1][2]
         print(
             f"offline run {len(runs) - 1}: {tokens / elapsed:,.0f} out tok/s, {run.steps} steps, period "
-            f"{1e3 * run.period():.2f} ms, host {run.host_ms():.2f} + device wait {run.wait_ms():.2f} ms/step",
+            f"{1e3 * run.period():.2f} ms, host {run.host_ms():.2f} + device wait {run.wait_ms():.2f} ms/step, "
+            f"first token: {run.first_token_split()}",
             flush=True,
         )
     # The offline TTFT: every request queued at once, the engine stepped until each has a token. The
     # clock starts before the requests are added, as generate()'s would, and as a streamed request's
     # starts before it is sent: admitting them is part of the time to the first tokens.
     engine, first = llm.engine, {}
+    before = Reading(engine.stats(), time.process_time(), machine_jiffies())
     start = time.perf_counter()
     for i, r in enumerate(rounds[-1]):
         engine.add_request(f"ttft-{i}", r.prompt_token_ids, params_of(r))
@@ -143,7 +146,9 @@ def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwar
         for delta in engine.step().deltas:
             if delta.token_ids and delta.request_id not in first:
                 first[delta.request_id] = (now := now or time.perf_counter()) - start
-    return Offline(runs, list(first.values()))
+    after = Reading(engine.stats(), time.process_time(), machine_jiffies())
+    split = EngineRun.between(before, after, time.perf_counter() - start).first_token_split()
+    return Offline(runs, list(first.values()), split)
 
 
 def run_offline(args, model: Path, rounds, warmup, engine_kwargs) -> Offline:
@@ -317,7 +322,8 @@ def progress(r: Round) -> str:
     via = f"http {r.shape} round {r.index} w{r.workers}" if r.workers else f"client {r.shape} round {r.index}"
     return (
         f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
-        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms, delivery p50 {delivery(r)} ms{fan_out(r)}, "
+        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms (engine mean: {eng.first_token_split()}), "
+        f"delivery p50 {delivery(r)} ms{fan_out(r)}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )
@@ -405,7 +411,8 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
     lines = [
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
         f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
-        f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.0f} / {1e3 * off_ttft[1]:.0f} ms ==",
+        f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.0f} / {1e3 * off_ttft[1]:.0f} ms, engine mean: "
+        f"{offline.ttft_split} ==",
         *format_table(rows),
         f"chunk gap p50/p90/p99 ms: {' / '.join(f'{1e3 * g:.2f}' for g in percentiles(gaps))}",
         f"worst streamed ÷ offline: {worst:.3f} (target ≥ {target}): {'met' if worst >= target else 'MISSED'}",

@@ -176,6 +176,12 @@ class EngineStats(msgspec.Struct):
     # Of step_seconds, the host's wait for the device's results. Near 0: the host is the bottleneck
     # (the device waits for it); the rest of a step is the host's own work (scheduling, launching).
     device_wait_seconds: float = 0.0
+    # The engine's part of the time to first token, summed over the requests that got their first token:
+    # arrival → first scheduled (queue_seconds; a grammar's compile included), first scheduled → that
+    # token read back (prefill_seconds: the prompt's steps, and the steps of others it shared).
+    first_tokens: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
 
 
 class Stats(_Message, tag="stats"):

@@ -1,5 +1,6 @@
 """The offline API as a user drives it: prompts in, outputs in order, stop rules, seeds, logprobs, chat."""
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -218,6 +219,24 @@ def test_an_llm_leaves_the_collector_as_it_found_it_and_is_freed_with_its_last_r
         assert gc.get_freeze_count() > frozen // 2, "deleting the LLM un-froze the caller's objects"
     finally:
         gc.unfreeze()
+
+
+def test_engine_stats_split_the_time_to_first_token_into_queue_and_prefill(qwen3_dir):
+    # One request at a time: b waits in the queue for all of a, then gets its own prefill step.
+    engine = LLM(str(qwen3_dir), device="cpu", max_num_seqs=1).engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    start = time.monotonic()  # after both arrived
+    a_done = None
+    while engine.has_unfinished():
+        deltas = engine.step().deltas
+        if a_done is None and any(d.request_id == "a" and d.finish_reason for d in deltas):
+            a_done = time.monotonic()  # b can be scheduled only by a later step
+    stats = engine.stats()
+    assert stats.first_tokens == 2
+    assert stats.queue_seconds >= a_done - start  # b's wait alone
+    assert 0 < stats.prefill_seconds < time.monotonic() - start
 
 
 def test_engine_stats_count_steps_tokens_finishes_and_prefix_hits(qwen3_dir):

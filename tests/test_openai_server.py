@@ -393,6 +393,10 @@ def test_health_and_metrics(url, api, model):
     assert grew("nanostream_prefix_cache_queries") == chat.usage.prompt_tokens + text.usage.prompt_tokens
     hits = chat.usage.prompt_tokens_details.cached_tokens + text.usage.prompt_tokens_details.cached_tokens
     assert grew("nanostream_prefix_cache_hits") == hits
+    # the engine's part of those two requests' time to first token: in its queue, then their prefill
+    assert grew("nanostream_engine_first_tokens") == 2
+    assert grew("nanostream_engine_queue_seconds") >= 0 and grew("nanostream_engine_prefill_seconds") > 0
+    assert grew("nanostream_engine_prefill_seconds") < grew("nanostream_time_to_first_token_seconds_sum")
     assert 0 < after[("nanostream_engine_step_seconds_quantile", (("quantile", "0.5"),))] < 10
     assert after[("nanostream_engine_mean_batch_size", ())] >= 1
     # A request long enough to arrive in several chunks, however busy the machine: latencies between them.

@@ -287,7 +287,7 @@ class LLMEngine:
     def _finish_in_flight(self) -> list[RequestDelta]:
         chunks, launched = self._in_flight
         sampled = self.runner.collect(launched)
-        self._in_flight = None
+        self._in_flight, now = None, time.monotonic()
         deltas = []
         for seq in self.scheduler.resolve(chunks, {rid: s.token_id for rid, s in sampled.items()}):
             token = sampled[seq.request_id]
@@ -296,6 +296,8 @@ class LLMEngine:
             delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
             if not seq.reported and seq.params.prompt_logprobs is not None:
                 delta.prompt_logprobs = seq.prompt_logprobs
+            if not seq.reported:
+                self._counters.first_token(seq.arrived, seq.admitted_at, now)
             if not seq.reported or seq.finish_reason is not None:
                 delta.usage, seq.reported = _usage(seq), True  # on the first (prompt, cached tokens) and the last
             if seq.finish_reason == "error":

@@ -22,6 +22,7 @@ left, the request itself is preempted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,6 +127,7 @@ class Scheduler:
             self.num_waiting_tokens -= seq.queued_tokens
             if not seq.admitted:
                 seq.admitted, seq.num_cached_tokens = True, seq.num_computed_tokens
+                seq.admitted_at = time.monotonic()
                 self.num_prefix_queries += seq.num_prompt_tokens
                 self.num_prefix_hits += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Protocol
 
 from nanostream.sampling_params import SamplingParams
@@ -58,6 +59,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.logprobs: list[dict[int, float]] = []
         self.admitted = False
+        self.arrived = time.monotonic()  # when the engine took the request
+        self.admitted_at = 0.0  # when the scheduler first gave it a step (time.monotonic())
         self.reported = False  # the engine has returned a delta for it (the first carries usage)
         self.queued_tokens = 0  # what it adds to the scheduler's num_waiting_tokens while it waits
         self.stopping = False  # its pending token reaches max_tokens or max_model_len: not scheduled again

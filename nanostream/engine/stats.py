@@ -20,6 +20,9 @@ class StepCounters:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()
+        self.first_tokens = 0
+        self.queue_seconds = 0.0
+        self.prefill_seconds = 0.0
 
     def step(self, seconds: float, num_requests: int, num_prefill_tokens: int, num_decode_tokens: int) -> None:
         if not num_requests:
@@ -30,6 +33,12 @@ class StepCounters:
         self.step_ms_buckets[bisect.bisect_left(STEP_MS_BUCKETS, seconds * 1e3)] += 1
         self.scheduled_requests += num_requests
         self.prompt_tokens += num_prefill_tokens
+
+    def first_token(self, arrived: float, admitted: float, now: float) -> None:
+        """A request's first token was read back at ``now`` (time.monotonic(), as the other two)."""
+        self.first_tokens += 1
+        self.queue_seconds += admitted - arrived
+        self.prefill_seconds += now - admitted
 
     def snapshot(
         self, *, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int, device_wait_seconds: float
@@ -46,4 +55,7 @@ class StepCounters:
             prefix_cache_hits=prefix_cache_hits,
             finished=dict(self.finished),
             device_wait_seconds=device_wait_seconds,
+            first_tokens=self.first_tokens,
+            queue_seconds=self.queue_seconds,
+            prefill_seconds=self.prefill_seconds,
         )

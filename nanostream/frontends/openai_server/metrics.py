@@ -61,6 +61,14 @@ class Metrics:
             "nanostream_prefix_cache_queries", "Prompt tokens of the requests admitted", registry=r
         )
         self.prefix_hits = Gauge("nanostream_prefix_cache_hits", "Of them, found in the prefix cache", registry=r)
+        # The engine's part of the time to first token, summed over the requests that got one.
+        self.first_tokens = Gauge("nanostream_engine_first_tokens", "Requests that got their first token", registry=r)
+        self.queue_seconds = Gauge(
+            "nanostream_engine_queue_seconds", "Arrival to first scheduled, summed over those requests", registry=r
+        )
+        self.prefill_seconds = Gauge(
+            "nanostream_engine_prefill_seconds", "First scheduled to first token, summed over them", registry=r
+        )
 
     def engine_stats(self, stats: Stats | None) -> None:
         self.engine_up.set(stats is not None)
@@ -81,6 +89,9 @@ class Metrics:
             self.prefix_queries.set(e.prefix_cache_queries)
             self.prefix_hits.set(e.prefix_cache_hits)
             self.prefix_hit_rate.set(e.prefix_cache_hits / max(e.prefix_cache_queries, 1))
+            self.first_tokens.set(e.first_tokens)
+            self.queue_seconds.set(e.queue_seconds)
+            self.prefill_seconds.set(e.prefill_seconds)
 
     async def timed(self, stream: Stream, endpoint: str) -> AsyncIterator[StreamChunk]:
         """``stream``'s chunks, counted and timed; however the iteration ends, so does the request."""
