@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from nanostream.client.connection import Connection
 from nanostream.client.mailbox import Mailbox
@@ -119,7 +120,8 @@ class Stream:
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
-        await self._start()
+        if self._mailbox is None:
+            await self._start()
         single = len(self._samples) == 1  # one request: wait, then take, as ever
         try:
             while True:
@@ -183,8 +185,8 @@ class _StreamIterator:
     def __aiter__(self) -> _StreamIterator:
         return self
 
-    async def __anext__(self) -> StreamChunk:
-        return await self.stream.__anext__()
+    def __anext__(self) -> Coroutine[Any, Any, StreamChunk]:
+        return self.stream.__anext__()  # the stream's own coroutine: no second one around it, per chunk
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
