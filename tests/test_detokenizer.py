@@ -256,3 +256,39 @@ def test_a_stream_that_refuses_a_token_hands_over_to_the_python_path_without_a_g
     detok._stream = Refusing(detok._stream)
     text = "".join(detok.add([i]) for i in ids) + detok.finish()
     assert detok._stream is None and text == decode_output(tok, prompt, ids)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style():
+    """A Llama-style fast tokenizer (Metaspace, byte fallback, a leading space stripped), trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace()
+    inner.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials)
+    inner.train_from_iterator([TEXT, "hello world " * 5] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=inner, clean_up_tokenization_spaces=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 319), min_size=1, max_size=8),
+    ids=st.lists(st.integers(0, 319), max_size=30),
+    chunk=st.integers(1, 4),
+)
+def test_a_sentencepiece_style_tokenizer_streams_the_same_text_either_way(sentencepiece_style, prompt, ids, chunk):
+    tok = sentencepiece_style
+    fast = IncrementalDetokenizer(tok, prompt)
+    slow = IncrementalDetokenizer(tok, prompt)
+    slow._stream = None
+    if not tok.decode(prompt[-5:]).endswith("\ufffd"):
+        assert fast._stream is not None
+    texts = []
+    for detok in (fast, slow):
+        texts.append("".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)) + detok.finish())
+    assert texts[0] == texts[1] == decode_output(tok, prompt, ids)
