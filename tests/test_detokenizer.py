@@ -292,3 +292,14 @@ def test_a_sentencepiece_style_tokenizer_streams_the_same_text_either_way(senten
     for detok in (fast, slow):
         texts.append("".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)) + detok.finish())
     assert texts[0] == texts[1] == decode_output(tok, prompt, ids)
+
+
+def test_a_long_output_keeps_only_the_hold_back_between_tokens(tok):
+    # Released text is not kept: a stream of any length holds at most max(len(stop)) - 1 characters.
+    ids = tok("The river ran past the mill, naïve café. " * 500).input_ids
+    detok = IncrementalDetokenizer(tok, tok("Once upon").input_ids, stop=("never-there",))
+    out = []
+    for i in ids:
+        out.append(detok.add([i]))
+        assert len(detok.held) <= detok.holdback
+    assert "".join(out) + detok.finish() == decode_output(tok, tok("Once upon").input_ids, ids)

@@ -103,8 +103,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.num_output_tokens = 0
-        self.text = ""  # all final text so far (some of it maybe not released yet)
-        self.released = 0  # characters of self.text handed out
+        # Final text not handed out yet: what a stop string may still begin in (the hold-back), and
+        # what one add() appends. Only this much is kept: a long output costs no more per token.
+        self.held = ""
         self.stopped_by: str | None = None  # the stop string that ended the text
         # Where it may, tokenizers' DecodeStream does what _advance does, keeping the same offsets, so
         # that the Python path can take over at any token (finish() always takes it).
@@ -123,14 +124,14 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _append(self, delta: str) -> None:
-        start = max(0, len(self.text) - self.holdback)
-        self.text += delta
+        start = max(0, len(self.held) - self.holdback)  # a stop string ends in the new text
+        self.held += delta
         if self.stop and self.num_output_tokens >= self.min_tokens:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (self.held.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 cut = min(hits)
-                self.stopped_by = next(s for s in self.stop if self.text.find(s, start) == cut)
-                self.text = self.text[:cut]
+                self.stopped_by = next(s for s in self.stop if self.held.find(s, start) == cut)
+                self.held = self.held[:cut]
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new output tokens; return the text that became final (may be empty)."""
@@ -151,17 +152,17 @@ class IncrementalDetokenizer:
             if piece is not None:  # what _advance would have released for this token
                 self._append(piece)
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        end = len(self.text) if self.stopped_by is not None else len(self.text) - self.holdback
-        return self._release(end)
+        return self._release(len(self.held) if self.stopped_by is not None else len(self.held) - self.holdback)
 
     def finish(self) -> str:
         """The request ended: flush everything still held back."""
         if self.stopped_by is None and self.read_offset < len(self.ids):
             self._advance(final=True)
-        return self._release(len(self.text))
+        return self._release(len(self.held))
 
     def _release(self, end: int) -> str:
-        if end <= self.released:
+        """Hand out the first ``end`` characters held."""
+        if end <= 0:
             return ""
-        out, self.released = self.text[self.released : end], end
+        out, self.held = self.held[:end], self.held[end:]
         return out
