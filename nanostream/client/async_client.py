@@ -7,9 +7,9 @@
 One DEALER socket per client and one reader (the event loop's callback on that socket) multiplex
 every stream: the reader only merges each request's new tokens into that request's mailbox, so a
 slow consumer never blocks the engine, the reader or other streams, and holds at most its own
-request's tokens. Text is decoded here, in the
-client, incrementally (see ``IncrementalDetokenizer``). Leaving a stream early (break, cancel,
-``aclose()``) aborts its request in the engine at once.
+request's tokens. Text is decoded here, in the client, incrementally (see
+``IncrementalDetokenizer``). Leaving a stream early (break, cancel, ``aclose()``) aborts its request
+in the engine at once.
 
 The connection itself (registration, heartbeats, the reader, reconnecting) is ``Connection``
 (connection.py).

@@ -48,10 +48,12 @@ def rust_tokenizer(tokenizer: Any) -> Any | None:
     return None
 
 
-def decoder_of(tokenizer: Any, backend: Any | None = None) -> Callable[[list[int], bool], str]:
-    """``tokenizer.decode`` as a function of (ids, skip_special_tokens), through Rust where it may
-    (``backend``: ``rust_tokenizer(tokenizer)``, if the caller has it already)."""
-    backend = backend if backend is not None else rust_tokenizer(tokenizer)
+def decoder_of(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """``tokenizer.decode`` as a function of (ids, skip_special_tokens), through Rust where it may."""
+    return _decoder(tokenizer, rust_tokenizer(tokenizer))
+
+
+def _decoder(tokenizer: Any, backend: Any | None) -> Callable[[list[int], bool], str]:
     if backend is not None:
         return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
@@ -94,7 +96,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self._rust = rust_tokenizer(tokenizer)
-        self._decode_ids = decoder_of(tokenizer, self._rust)
+        self._decode_ids = _decoder(tokenizer, self._rust)
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self.min_tokens = min_tokens

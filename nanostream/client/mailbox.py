@@ -21,7 +21,6 @@ class Mailbox:
         # A flag and the consumer's future while it waits: per token, cheaper than a new anyio.Event.
         self._ready = False
         self._waiter: asyncio.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the consumer's, from its first wait
 
     def put(self, delta: p.RequestDelta, produced: float | None = None, received: float | None = None) -> None:
         self.processors[delta.request_id].put(delta)
@@ -42,9 +41,7 @@ class Mailbox:
     async def wait(self) -> None:
         """Until something was put or failed since the last wait (at once if it already was)."""
         if not self._ready:
-            if self._loop is None:
-                self._loop = asyncio.get_running_loop()
-            self._waiter = self._loop.create_future()
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
