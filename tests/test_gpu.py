@@ -43,7 +43,8 @@ def test_cuda_float32_matches_hf_with_prefix_hits_chunks_and_preemption(
         max_num_batched_tokens=64,
         max_num_seqs=8,
     )
-    assert (llm.engine.runner.graphs is not None) == (not enforce_eager)
+    runner = llm.engine.runner
+    assert (runner.graphs is not None) == (runner.prefill_graphs is not None) == (not enforce_eager)
     first = llm.generate(prompts[:1], params, use_tqdm=False)
     outputs = first + llm.generate(prompts[1:], params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -101,6 +102,37 @@ def test_bfloat16_backends_agree_with_torch_backend(gpu_model_dir, backend):
             ref = ref_logits[same]
             gap = (ref[ref_ids[same]] - ref[ids[same]]).item()
             assert gap < 1e-2 * ref.abs().max().item(), f"step {same}: {ids[same]} vs {ref_ids[same]}, gap {gap}"
+
+
+def test_steps_with_prompt_tokens_replay_prefill_graphs_and_match_eager(qwen3_dir):
+    # Prompt chunks alone, then beside decodes (mixed steps), at token counts between the buckets: the
+    # graphs pad them, run attention eagerly between layers, and give the eager path's greedy tokens.
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 300, 17, 100, 250, 1)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", attention_backend="triton", kvcache_block_size=16,
+                  num_kvcache_blocks=128, max_num_batched_tokens=256, max_num_seqs=8)  # fmt: skip
+    with LLM(str(qwen3_dir), enforce_eager=True, **common) as eager:
+        assert eager.engine.runner.prefill_graphs is None
+        expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(qwen3_dir), **common) as llm:
+        graphs, engine = llm.engine.runner.prefill_graphs, llm.engine
+        assert graphs.buckets == [16, 32, 64, 128, 256]
+        replayed, run = [], graphs.run
+        graphs.run = lambda ids, *args: replayed.append(ids.shape[0]) or run(ids, *args)
+        outputs = {"first": []} | {f"r{i}": [] for i in range(len(prompts) - 1)}
+        engine.add_request("first", prompts[0], params)
+        deltas = engine.step().deltas + engine.step().deltas  # its prompt alone, then its first decode
+        for i, p in enumerate(prompts[1:]):
+            engine.add_request(f"r{i}", p, params)
+        while engine.has_unfinished():
+            deltas += engine.step().deltas
+        for d in deltas:
+            outputs[d.request_id] += d.token_ids
+        stats = engine.stats()
+    assert stats.steps.get("mixed", 0) > 0
+    assert len(replayed) == stats.steps.get("prefill", 0) + stats.steps["mixed"]
+    assert [outputs["first"], *(outputs[f"r{i}"] for i in range(len(prompts) - 1))] == expected
 
 
 def test_cuda_kv_pool_sized_from_gpu_memory_utilization(qwen3_dir):

@@ -4,7 +4,7 @@ The runner knows nothing of scheduling: it gets the step's chunks (which tokens 
 to compute, ``step_inputs.Chunk``) and returns the token sampled for every sequence whose chunk
 reached its end. Its helpers, by job: kv_pool.py (how many blocks, the allocation), step_inputs.py
 (packing a step), sampling_batch.py (sampling parameters as tensors, samples read back),
-cuda_graphs.py (decode replays).
+cuda_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
 
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
 publishes the step to the others (``control``: engine/workers.py); every rank then runs it
@@ -16,6 +16,7 @@ inputs. The warm-up and the graph captures run on every rank alike, without a co
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from nanostream.engine.kv_pool import (
     short_chunk_steps,
     worst_step,
 )
+from nanostream.engine.prefill_graphs import PrefillGraphs
 from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
 from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
 from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
@@ -49,6 +51,8 @@ if TYPE_CHECKING:
     from nanostream.engine.workers import WorkerGroup
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,6 +107,7 @@ class ModelRunner:
         self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
+        self.prefill_graphs: PrefillGraphs | None = None
         self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
         if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
             self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
@@ -120,6 +125,20 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
             )
+        if cuda and not config.enforce_eager and tp.size == 1:
+            self.prefill_graphs = self._capture_prefill_graphs()
+
+    def _capture_prefill_graphs(self) -> PrefillGraphs | None:
+        # Their buffers and pool come out of the memory the KV pool left (1 - gpu_memory_utilization).
+        try:
+            return PrefillGraphs(self.model.model, max_tokens=self.config.max_num_batched_tokens, device=self.device)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            log.warning(
+                "no memory left for the prefill CUDA graphs: steps with prompt tokens run eagerly "
+                "(lower gpu_memory_utilization to leave room for them)"
+            )
+            return None
 
     # ---- KV pool -------------------------------------------------------------------------------
 
@@ -179,6 +198,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+            hidden = self.prefill_graphs.run(input_ids, positions, ForwardContext(meta, self.kv_caches))
         else:
             hidden = self._forward(input_ids, positions, meta)
         prompt_logprobs = None

@@ -58,7 +58,8 @@ def _head_rows(heads: range, head_dim: int) -> range:
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads)."""
+    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads); the decoder
+    model calls the three in turn (``DecoderModel.forward``)."""
 
     def __init__(
         self,
@@ -86,10 +87,6 @@ class SelfAttention(nn.Module):
             norm_kernel=kernels.rms_norm,
         )
         self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # x: [T, hidden]
-        return self.o_proj(self.attn(positions, self.qkv_proj(x), ctx))
 
 
 class MLP(nn.Module):
@@ -121,15 +118,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
         self.mlp = MLP(spec, kernels, shard, tp)
 
-    def forward(self, positions, x, residual, ctx):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
@@ -144,12 +132,40 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
 
+    # The forward in pieces, cut at the attention calls: ``head``, then per layer ``attend`` and ``between``.
+    # The pieces do not read the step's attention metadata, so the prefill CUDA graphs capture them alone
+    # (engine/prefill_graphs.py) and run the attention between them.
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        x, _ = self.norm(x, residual)
+        x, residual = self.head(input_ids)
+        for i in range(len(self.layers)):
+            x, residual = self.between(i, self.attend(i, positions, x, ctx), residual)
         return x
+
+    def head(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and the first layer's input norm: (its qkv projection [T, qkv], the residual)."""
+        x = self.embed_tokens(input_ids)
+        first = self.layers[0]
+        return first.self_attn.qkv_proj(first.input_layernorm(x)), x
+
+    def attend(self, i: int, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Layer ``i``'s attention: its qkv projection -> the attention output [T, heads x head_dim]."""
+        return self.layers[i].self_attn.attn(positions, qkv, ctx)
+
+    def between(
+        self, i: int, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``i`` after its attention (output projection, norm, MLP), then the next layer's input norm
+        and qkv projection: (that projection, the residual); after the last layer (the hidden states
+        [T, hidden], None)."""
+        layer = self.layers[i]
+        x, residual = layer.post_attention_layernorm(layer.self_attn.o_proj(attn_out), residual)
+        x = layer.mlp(x)
+        if i + 1 == len(self.layers):
+            return self.norm(x, residual)[0], None
+        after = self.layers[i + 1]
+        x, residual = after.input_layernorm(x, residual)
+        return after.self_attn.qkv_proj(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
