@@ -17,6 +17,8 @@
 #                                  #   the engine and the frontend workers, then bench_structured under py-spy
 #   bash apps/gpu_suite.sh interval # bench_stream.py at each --stream-interval of INTERVALS (1 4), HTTP only,
 #                                  #   with WORKERS (2,8) frontend workers in turn, STREAM_S (240 s) each at most
+#   bash apps/gpu_suite.sh phases  # apps/bench_phases.py: the prefill and decode phases of offline rounds, with
+#                                  #   the prefill graphs and without (--enforce-eager), ~2 min
 #   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
@@ -209,6 +211,16 @@ interval)
             --attention-backend triton --shapes 4x64 --runs "${RUNS:-2}" --http-workers "${WORKERS:-2,8}" --http-only \
             --stream-interval "$si" "$@" >"$out/interval-$si.log" 2>&1
         grep -v -E "INFO|Loading weights" "$out/interval-$si.log" | grep -E "^(==|shape|4x64)" | tail -n 24
+    done ;;
+phases)
+    # Where an offline round's time goes (issue 15): prefill phase and decode phase, host and device wait per
+    # step, with the prefill CUDA graphs, then eagerly (no CUDA graph at all), then a profile of 8 prefill steps.
+    phases=(python3 apps/bench_phases.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random --attention-backend triton)
+    for extra in "" "--enforce-eager" "--rounds 1 --profile-steps 8"; do
+        echo "== bench_phases $extra"
+        # shellcheck disable=SC2086
+        timeout 200 "${phases[@]}" $extra "$@" 2>&1 | grep -v "Loading weights" | tee -a "$out/phases.log" \
+            | grep -E "^(round|  )"
     done ;;
 regress)
     # Issue 16's check that tp=1 did not regress: the same bench in two checkouts on one warm machine.

@@ -52,7 +52,8 @@ class EngineConfig:
     """auto, flash_attn (FlashAttention-4 or -2), triton (nanostream's kernels) or torch (reference).
     auto: on CUDA, flash_attn when installed and supported, else triton; elsewhere torch."""
     enforce_eager: bool = False
-    """Run decode steps eagerly instead of replaying CUDA graphs."""
+    """Run every step eagerly instead of replaying CUDA graphs (of decode steps, and at one GPU of the
+    model between its attention calls in steps with prompt tokens)."""
     torch_compile: bool = True
     """Compile the elementwise layers (RMSNorm, rotary, SiLU-and-mul) with torch.compile on CUDA."""
     tensor_parallel_size: int = 1

@@ -1,0 +1,139 @@
+"""Where an offline run's time goes, phase by phase: the prefill phase (every step up to the last one with
+prompt tokens) and the decode phase after it, per round of the bench workload (fresh prompt ids each
+round, so no round hits the prefix cache of another), from a trace of every ``LLMEngine.step``.
+
+    python3 apps/bench_phases.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \\
+        --attention-backend triton --rounds 4 [--enforce-eager] [--profile-steps 8]
+
+Per phase: steps, wall time, and per step the host's time in ``step`` other than waiting for the device
+and the time it waited (``ModelRunner.device_wait_seconds``). A phase whose waits are ~0 runs at the
+host's pace. ``--profile-steps N``: torch.profiler over N prefill steps of the first round (from its
+second step), and where the time went, host and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+from bench import (
+    add_workload_args,
+    check_workload_args,
+    engine_options,
+    load_workload,
+    make_warmup,
+    model_dir,
+    sync,
+)
+from bench_stream import round_workload
+from stream_clients import params_of
+
+from nanostream import LLM
+from nanostream.options import add_engine_args
+
+
+@dataclass
+class Step:
+    start: float
+    seconds: float
+    wait: float  # of it, waiting for the device
+    prefill_tokens: int
+
+
+def phase(steps: list[Step]) -> str:
+    if not steps:
+        return "0 steps"
+    wall = steps[-1].start + steps[-1].seconds - steps[0].start
+    host = 1e3 * sum(s.seconds - s.wait for s in steps) / len(steps)
+    wait = 1e3 * sum(s.wait for s in steps) / len(steps)
+    per_step = 1e3 * wall / len(steps)
+    return f"{len(steps)} steps, {1e3 * wall:.0f} ms ({per_step:.2f} ms/step: host {host:.2f} + wait {wait:.2f})"
+
+
+def profile_table(prof, steps: int) -> str:
+    """Host time by op and device time by kernel, per step, from a torch.profiler run."""
+    events = prof.key_averages()
+    device = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+    lines = [f"  host, self time of the op, ms/step: {sum(e.self_cpu_time_total for e in events) / 1e3 / steps:.1f}"]
+    lines += [
+        f"    {e.key[:60]:60} {e.self_cpu_time_total / 1e3 / steps:6.2f}  ({e.count // steps} calls)" for e in host
+    ]
+    if device:
+        total = sum(e.self_device_time_total for e in device) / 1e3 / steps
+        lines.append(f"  device, kernels, ms/step: {total:.1f}")
+        for e in sorted(device, key=lambda e: -e.self_device_time_total)[:8]:
+            lines.append(
+                f"    {e.key[:60]:60} {e.self_device_time_total / 1e3 / steps:6.2f}  ({e.count // steps} calls)"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_workload_args(parser)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds, each with fresh prompt ids")
+    parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many prefill steps")
+    add_engine_args(parser, skip=("seed",))
+    args = parser.parse_args()
+    check_workload_args(parser, args)
+    options = engine_options(args)
+    with model_dir(args) as model:
+        hf_config, _, workload = load_workload(args, model, options)
+        llm = LLM(str(model), seed=args.seed, **options)
+        warmup = make_warmup(args.seed, hf_config.vocab_size, 16)
+        llm.generate([r.prompt_token_ids for r in warmup], [params_of(r) for r in warmup], use_tqdm=False)
+        gc.collect()
+        gc.freeze()
+        engine, runner = llm.engine, llm.engine.runner
+        trace: list[Step] = []
+        step, profiling = engine.step, {}
+
+        def traced():
+            wait, start = runner.device_wait_seconds, time.perf_counter()
+            if len(trace) == 1 and "prof" in profiling:
+                profiling["prof"].start()
+            result = step()
+            trace.append(Step(start, time.perf_counter() - start, runner.device_wait_seconds - wait,
+                              result.num_prefill_tokens))  # fmt: skip
+            if len(trace) == 1 + args.profile_steps and "prof" in profiling:
+                sync(llm.config.device)
+                profiling.pop("prof").stop()
+            return result
+
+        engine.step = traced
+        if args.profile_steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiling["prof"] = prof = torch.profiler.profile(activities=activities)
+        for i in range(args.rounds):
+            requests = round_workload(workload, args.seed, i + 1, hf_config.vocab_size)
+            trace.clear()
+            before = engine.stats()
+            sync(llm.config.device)
+            start = time.perf_counter()
+            outputs = llm.generate([r.prompt_token_ids for r in requests], [params_of(r) for r in requests],
+                                   use_tqdm=False)  # fmt: skip
+            sync(llm.config.device)
+            elapsed = time.perf_counter() - start
+            after = engine.stats()
+            n = max(after.first_tokens - before.first_tokens, 1)
+            queue = 1e3 * (after.queue_seconds - before.queue_seconds) / n
+            prefill = 1e3 * (after.prefill_seconds - before.prefill_seconds) / n
+            last = max((j for j, s in enumerate(trace) if s.prefill_tokens), default=-1)
+            tokens = sum(len(o.token_ids) for o in outputs)
+            print(f"round {i}: {tokens / elapsed:,.0f} out tok/s, {len(trace)} steps; prefill phase "
+                  f"{phase(trace[: last + 1])}; decode phase {phase(trace[last + 1 :])}; first token: "
+                  f"queue {queue:.0f} + prefill {prefill:.0f} ms", flush=True)  # fmt: skip
+            if i == 0 and args.profile_steps:
+                print(profile_table(prof, args.profile_steps), flush=True)
+
+
+if __name__ == "__main__":
+    main()
