@@ -232,7 +232,7 @@ def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProces
         for p in range(processes):
             streams = [[splits[r][p][s] for r in range(len(rounds))] for s in range(per_process)]
             prof = args.profile / f"client-{processes}x{per_process}-{p}.prof" if args.profile else None
-            work = (p, target, streams, warmup[p::processes], len(rounds), barrier, results, prof)
+            work = (p, target, streams, warmup[p::processes], len(rounds), barrier, results, prof, args.client_loop)
             procs.append(ctx.Process(target=client_process, args=work))
             procs[-1].start()
         for r in range(len(rounds)):
@@ -408,6 +408,7 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
         )
     gaps = [b - a for r in rounds for t in r.traces for a, b in pairwise(t.arrivals)]
     via = f"HTTP ({workers} frontend worker(s))" if workers else "AsyncClient"
+    via += f", clients on {args.client_loop}"
     lines = [
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
         f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
@@ -470,6 +471,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=ServerConfig.stream_interval,
         help="the engine's stream_interval: send a request's tokens every N tokens",
+    )
+    clients.add_argument(
+        "--client-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the client processes' event loop (uvloop: as a production client may run)",
     )
     clients.add_argument("--profile", type=Path, help="write cProfiles of the engine and the clients into this dir")
     add_engine_args(parser, skip=("seed",))

@@ -183,10 +183,18 @@ async def _rounds(one, streams, rounds, barrier, results, index, profile: Path |
         results.put((index, round_, traces, time.process_time() - cpu))
 
 
-def client_process(index: int, target: Target, streams, warmup, rounds: int, barrier, results, profile) -> None:
-    """``streams[s][round]``: the requests stream s runs in that round."""
+def client_process(
+    index: int, target: Target, streams, warmup, rounds: int, barrier, results, profile, loop: str = "asyncio"
+) -> None:
+    """``streams[s][round]``: the requests stream s runs in that round; ``loop``: asyncio's or uvloop's."""
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
     try:
-        asyncio.run(run_streams(target, streams, warmup, rounds, (barrier, results, index, profile)))
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(run_streams(target, streams, warmup, rounds, (barrier, results, index, profile)))
     except BaseException:
         barrier.abort()  # nobody waits forever for a process that is gone
         results.put((index, -1, traceback.format_exc(), 0.0))

@@ -123,13 +123,21 @@ class RequestBook:
         """Take a step's deltas; ``produced`` (time.monotonic()) stamps this iteration's Outputs."""
         if produced is not None:
             self._produced = produced
-        interval = self.config.stream_interval
+        interval, pending, batch = self.config.stream_interval, self.pending, self._batch
         for delta in deltas:
-            pend = self.pending.get(delta.request_id)
+            pend = pending.get(delta.request_id)
             if pend is None:
                 continue
-            engine_id = delta.request_id
             pend.num_generated += len(delta.token_ids)
+            if interval == 1 and pend.buffer is None and delta.finish_reason is None and delta.token_ids:
+                # Most of a step's deltas: a token of a running request, sent as it is under the client's id.
+                delta.request_id, pend.sent_any = pend.request_id, True
+                outputs = batch.get(pend.identity)
+                if outputs is None:
+                    outputs = batch[pend.identity] = []
+                outputs.append(delta)
+                continue
+            engine_id = delta.request_id
             gathered = pend.gather(delta)
             # The first delta also carries usage so far (prompt and cached tokens), for a client that
             # ends the request itself (a stop string) and so never sees the last one.
