@@ -180,6 +180,20 @@ class Round:
     def ttft(self) -> list[float]:
         return [t.arrivals[0] - t.sent for t in self.traces if t.arrivals]
 
+    def ttft_parts(self) -> str:
+        """The mean TTFT taken apart: the Add's way in (sent -> the engine took it: what the rest leaves),
+        the engine's queue and prefill (its own counters), the first token's way out (its delivery)."""
+        firsts = [(t.arrivals[0] - t.sent, t.delivery[0]) for t in self.traces if t.delivery]
+        if not firsts or not self.engine.stats.first_tokens:
+            return ""
+        st, n = self.engine.stats, self.engine.stats.first_tokens
+        queue, prefill = st.queue_seconds / n, st.prefill_seconds / n
+        ttft, out = (sum(x) / len(firsts) for x in zip(*firsts))
+        parts = (ttft, ttft - queue - prefill - out, queue, prefill, out)
+        return "; TTFT mean {:.1f} ms = in {:.1f} + queue {:.1f} + prefill {:.1f} + out {:.1f}".format(
+            *(1e3 * x for x in parts)
+        )
+
     def chunks(self) -> int:
         return sum(len(t.arrivals) for t in self.traces)
 
@@ -323,7 +337,7 @@ def progress(r: Round) -> str:
     return (
         f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
         f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms (engine mean: {eng.first_token_split()}), "
-        f"delivery p50 {delivery(r)} ms{fan_out(r)}, "
+        f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )
