@@ -1,7 +1,7 @@
 """The busy loop's host work per decode step that is plain Python, without a model: the scheduler's
 ``schedule()``, ``launched()`` and ``resolve()`` for N running sequences (prefix caching on), and
 ``pack_step()`` of their chunks and ``make_sampling_batch()`` of their sequences (host lists and their
-uploads, on the CPU).
+uploads, on the CPU), and the engine process's routing of their tokens to 4 clients, encoded.
 
     python3 apps/bench_scheduler.py --seqs 256 --block-size 256
 """
@@ -14,7 +14,10 @@ import time
 
 import torch
 
+from nanostream import protocol as p
+from nanostream.config import ServerConfig
 from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.requests import RequestBook, _Pending
 from nanostream.engine.sampling_batch import make_sampling_batch
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
@@ -59,8 +62,28 @@ def main() -> None:
     for _ in range(args.steps):
         make_sampling_batch(seqs, 151_936, cpu)  # Qwen3's vocabulary
     sampling = (time.perf_counter() - start) / args.steps
+    routing = route_and_flush(args.seqs, args.steps)
     print(f"{args.seqs} decode rows, blocks of {bs}: schedule + launched + resolve {scheduling * 1e6:.0f} us, "
-          f"pack_step {packing * 1e6:.0f} us, make_sampling_batch {sampling * 1e6:.0f} us a step")  # fmt: skip
+          f"pack_step {packing * 1e6:.0f} us, make_sampling_batch {sampling * 1e6:.0f} us, "
+          f"route + flush (4 clients) {routing * 1e6:.0f} us a step")  # fmt: skip
+
+
+def route_and_flush(num_requests: int, steps: int) -> float:
+    """Seconds per step to route one token of each of ``num_requests`` running requests of 4 clients
+    (the engine process's RequestBook) and encode the 4 Outputs messages."""
+    book, sent = RequestBook(None, ServerConfig(), {}), []
+    clients = [bytes([c]) * 5 for c in range(4)]
+    for i in range(num_requests):
+        book.pending[f"e{i}"] = _Pending(clients[i % 4], f"c{i}", 500)
+    seconds = 0.0
+    for _ in range(steps):
+        deltas = [p.RequestDelta(f"e{i}", [1234]) for i in range(num_requests)]
+        start = time.perf_counter()
+        book.route(deltas, time.monotonic())
+        book.flush(lambda identity, message: sent.append(p.encode(message)))
+        seconds += time.perf_counter() - start
+        sent.clear()
+    return seconds / steps
 
 
 if __name__ == "__main__":
