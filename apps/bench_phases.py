@@ -79,6 +79,12 @@ def main() -> None:
     add_workload_args(parser)
     parser.add_argument("--rounds", type=int, default=4, help="rounds, each with fresh prompt ids")
     parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many prefill steps")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="CUDA: print the decode phase's floor, this rank's weights and KV read per step at the measured "
+        "copy bandwidth (for fixed lengths: --min-input-len = --max-input-len, likewise outputs)",
+    )
     add_engine_args(parser, skip=("seed",))
     args = parser.parse_args()
     check_workload_args(parser, args)
@@ -133,6 +139,31 @@ def main() -> None:
                   f"queue {queue:.0f} + prefill {prefill:.0f} ms", flush=True)  # fmt: skip
             if i == 0 and args.profile_steps:
                 print(profile_table(prof, args.profile_steps), flush=True)
+        if args.floor:
+            print(decode_floor(runner, workload), flush=True)
+
+
+def decode_floor(runner, workload) -> str:
+    """ms per decode step of the workload's batch if the step only read this rank's weights (less an
+    untied embedding, of which a step reads a row per sequence) and each sequence's KV at its mean
+    decode context (prompt + half the output), at the device's copy bandwidth (bytes read + written)."""
+    if not torch.cuda.is_available():
+        return "decode floor: needs CUDA (the copy bandwidth)"
+    from kernel_bench.ceilings import copy_ms
+
+    model = runner.model
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if embed is not model.lm_head.weight:
+        weights -= embed.numel() * embed.element_size()
+    per_token = runner.kv_block_bytes / runner.block_size  # this rank's K and V of every layer
+    kv = sum((len(r.prompt_token_ids) + r.max_tokens / 2) * per_token for r in workload)
+    nbytes = 1 << 30
+    bandwidth = max(2 * nbytes / (copy_ms(nbytes) * 1e-3) for _ in range(2))  # bytes/s, read + written
+    return (
+        f"decode floor at batch {len(workload)}: {1e3 * (weights + kv) / bandwidth:.2f} ms/step (weights "
+        f"{weights / 1e9:.2f} GB + KV {kv / 1e9:.2f} GB a step, copy {bandwidth / 1e12:.2f} TB/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@
 #                                  #   with WORKERS (2,8) frontend workers in turn, STREAM_S (240 s) each at most
 #   bash apps/gpu_suite.sh phases  # apps/bench_phases.py: the prefill and decode phases of offline rounds, with
 #                                  #   the prefill graphs and without (--enforce-eager), ~2 min
+#   bash apps/gpu_suite.sh tp PART # issue 17 on nvidia-h200-x2, one call per PART: tests (the two-GPU tests),
+#                                  #   bench-0.6b / bench-8b (bench.py at tp=1 then tp=2; the first 8B call builds
+#                                  #   the bf16 model, ~3 min), stream (bench_stream at tp=2), steps (8B decode
+#                                  #   phases at batch 1 and 256, tp=1 and tp=2, with their floors)
 #   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
@@ -222,6 +226,42 @@ phases)
         timeout 200 "${phases[@]}" $extra "$@" 2>&1 | grep -v "Loading weights" | tee -a "$out/phases.log" \
             | grep -E "^(round|  )"
     done ;;
+tp)
+    # Issue 17: tensor parallelism on two GPUs, NVLink multicast off (KINDS.md).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    part=${1:?usage: gpu_suite.sh tp tests|bench-0.6b|bench-8b|stream|steps}; shift
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
+        || tail -n 5 "$out/install.log"  # the engine's workers start through the installed entry point
+    nvidia-smi topo -m | head -n 4
+    case "$part" in
+    tests)
+        timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 tests/test_gpu.py -k two_gpus "$@" \
+            2>&1 | tee "$out/tp-tests.log" | tail -n 15 ;;
+    bench-0.6b | bench-8b)
+        preset=qwen3-${part#bench-}
+        for tp in 1 2; do
+            echo "== $preset tp=$tp"
+            timeout 280 python3 apps/bench.py --preset "$preset" --build-dir "/tmp/$preset-random" --backends triton \
+                --tensor-parallel-size "$tp" --step-stats "$@" 2>&1 | grep -v "Loading weights" \
+                | tee "$out/tp-$preset-$tp.log" | tail -n 12
+        done ;;
+    stream)
+        timeout 560 python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+            --attention-backend triton --tensor-parallel-size 2 --shapes 4x64,8x32 --runs 3 "$@" 2>&1 \
+            | grep -v -E "INFO|Loading weights" | tee "$out/tp-stream.log" | tail -n 16 ;;
+    steps)
+        for batch in 1 256; do
+            for tp in 1 2; do
+                echo "== qwen3-8b batch $batch tp=$tp"
+                timeout 140 python3 apps/bench_phases.py --preset qwen3-8b --build-dir /tmp/qwen3-8b-random \
+                    --attention-backend triton --tensor-parallel-size "$tp" --num-requests "$batch" \
+                    --min-input-len 1024 --max-input-len 1024 --min-output-len 256 --max-output-len 256 \
+                    --rounds 1 --floor "$@" 2>&1 | grep -E "^(round|decode floor)" | tee -a "$out/tp-steps.log"
+            done
+        done ;;
+    *)
+        echo "unknown tp part $part"; exit 2 ;;
+    esac ;;
 regress)
     # Issue 16's check that tp=1 did not regress: the same bench in two checkouts on one warm machine.
     old=${OLD:-.gpu/old}

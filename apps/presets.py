@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 QWEN3_0_6B = "qwen3-0.6b"
+QWEN3_8B = "qwen3-8b"
 
 # make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
 # model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
@@ -34,6 +35,22 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         init_std=0.02,
+    ),
+    # Issue 17's larger shape (two GPUs): built and saved in bfloat16 (16 GB, never 32 in float32).
+    QWEN3_8B: dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        init_std=0.02,
+        weights_dtype="bfloat16",
     ),
 }
 

@@ -155,3 +155,22 @@ def test_compiled_layers_stay_within_dynamo_defaults_and_leave_its_config_alone(
     assert set(compiles) == {"_norm", "_add_norm", "silu_and_mul", "apply_rotary"}
     assert max(compiles.values()) <= 8, compiles
     assert torch._dynamo.config.get_config_copy() == before
+
+
+def test_a_model_built_in_bfloat16_has_the_float32_builds_weights_rounded(tmp_path):
+    # What the benchmarks build large shapes with (apps/presets.py): never whole in float32.
+    from safetensors import safe_open
+
+    from nanostream.testing import make_tiny_model
+
+    full = make_tiny_model(tmp_path / "f32", seed=3)
+    half = make_tiny_model(tmp_path / "bf16", seed=3, weights_dtype="bfloat16")
+    assert torch.get_default_dtype() == torch.float32
+    with safe_open(full / "model.safetensors", "pt") as f, safe_open(half / "model.safetensors", "pt") as h:
+        names = sorted(f.keys())
+        assert names == sorted(h.keys())
+        for name in names:
+            assert h.get_tensor(name).dtype == torch.bfloat16
+            assert torch.equal(f.get_tensor(name).to(torch.bfloat16), h.get_tensor(name)), name
+    out = LLM(str(half), kvcache_block_size=16).generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4

@@ -138,6 +138,7 @@ def make_tiny_model(
     architecture: str = "Qwen3ForCausalLM",
     seed: int = 0,
     init_std: float = 0.15,
+    weights_dtype: str = "float32",
     **config_overrides,
 ) -> Path:
     """Write a tiny random model directory at ``path`` and return its path.
@@ -146,6 +147,8 @@ def make_tiny_model(
     class (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off
     unless given. ``init_std`` is larger than a real model's so that next-token distributions are peaked
     and greedy choices are not near-ties. The same architecture, shape and seed give the same weights.
+    ``weights_dtype`` ("bfloat16"): the model is built and saved in it, never whole in float32 (an 8B
+    shape then takes 16 GB of memory and of disk, not 32).
     """
     config_cls, model_cls = _classes(architecture)
     path = Path(path)
@@ -170,7 +173,12 @@ def make_tiny_model(
         kwargs["sliding_window"] = None
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
-    model = model_cls(config).to(torch.float32)
+    dtype, default = getattr(torch, weights_dtype), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the parameters are made in it
+    try:
+        model = model_cls(config).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
