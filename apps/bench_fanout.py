@@ -16,6 +16,7 @@ import random
 import tempfile
 import time
 
+from stream_clients import loop_factory
 from transformers import AutoTokenizer
 
 from nanostream import SamplingParams
@@ -85,13 +86,8 @@ def main() -> None:
         make_tiny_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     for loop in args.loops.split(","):
-        factory = None
-        if loop == "uvloop":
-            import uvloop
-
-            factory = uvloop.new_event_loop
         for streams in (int(s) for s in args.streams.split(",")):
-            with asyncio.Runner(loop_factory=factory) as runner:
+            with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
                 median, last = runner.run(fan_out(tokenizer, streams, args.messages))
             print(f"{loop} {streams} streams: median stream +{1e6 * median:.0f} us, last +{1e6 * last:.0f} us, "
                   f"{1e6 * last / streams:.2f} us a stream's turn", flush=True)  # fmt: skip

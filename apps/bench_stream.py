@@ -186,8 +186,7 @@ class Round:
         firsts = [(t.arrivals[0] - t.sent, t.delivery[0]) for t in self.traces if t.delivery]
         if not firsts or not self.engine.stats.first_tokens:
             return ""
-        st, n = self.engine.stats, self.engine.stats.first_tokens
-        queue, prefill = st.queue_seconds / n, st.prefill_seconds / n
+        queue, prefill = self.engine.first_token_means()
         ttft, out = (sum(x) / len(firsts) for x in zip(*firsts))
         parts = (ttft, ttft - queue - prefill - out, queue, prefill, out)
         return "; TTFT mean {:.1f} ms = in {:.1f} + queue {:.1f} + prefill {:.1f} + out {:.1f}".format(

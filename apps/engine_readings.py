@@ -124,11 +124,15 @@ class EngineRun:
         """ms per step the host spent in LLMEngine.step other than waiting for the device."""
         return 1e3 * (self.stats.step_seconds - self.stats.device_wait_seconds) / max(self.steps, 1)
 
-    def first_token_split(self) -> str:
-        """The engine's part of the time to first token, mean ms per request: in its queue, then from
-        its first step to that token read back."""
+    def first_token_means(self) -> tuple[float, float]:
+        """The engine's part of the time to first token, mean s per request: in its queue, then from its
+        first step to that token read back."""
         st, n = self.stats, max(self.stats.first_tokens, 1)
-        return f"queue {1e3 * st.queue_seconds / n:.0f} + prefill {1e3 * st.prefill_seconds / n:.0f} ms"
+        return st.queue_seconds / n, st.prefill_seconds / n
+
+    def first_token_split(self) -> str:
+        queue, prefill = self.first_token_means()
+        return f"queue {1e3 * queue:.0f} + prefill {1e3 * prefill:.0f} ms"
 
     def wait_ms(self) -> float:
         """ms per step the host waited for the device (near 0: the device waits for the host)."""

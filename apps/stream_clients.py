@@ -183,17 +183,21 @@ async def _rounds(one, streams, rounds, barrier, results, index, profile: Path |
         results.put((index, round_, traces, time.process_time() - cpu))
 
 
+def loop_factory(loop: str):
+    """``asyncio.Runner``'s loop_factory for ``loop``: "asyncio" (None: asyncio's own) or "uvloop"."""
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
 def client_process(
     index: int, target: Target, streams, warmup, rounds: int, barrier, results, profile, loop: str = "asyncio"
 ) -> None:
     """``streams[s][round]``: the requests stream s runs in that round; ``loop``: asyncio's or uvloop's."""
-    factory = None
-    if loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
+        with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
             runner.run(run_streams(target, streams, warmup, rounds, (barrier, results, index, profile)))
     except BaseException:
         barrier.abort()  # nobody waits forever for a process that is gone

@@ -161,14 +161,14 @@ class Transport:
     def unregister(self, identity: bytes) -> None:
         self.registered.discard(identity)
 
-    def receive(self, timeout: float, limit: int, prompt_tokens: int | None = None) -> list[tuple[bytes, object]]:
+    def receive(self, timeout: float, limit: int, prompt_tokens: int) -> list[tuple[bytes, object]]:
         """What peers sent, decoded: (identity, message), or ``DISCONNECTED``/``NOT_READING`` in place of
         a message. Waits up to ``timeout`` seconds for something to arrive (0: only what is there), and
         returns at most about ``limit`` items, and Adds of about ``prompt_tokens`` prompt tokens at most
         (the one that reaches it is the last); the rest stay queued in ZeroMQ for the next call. A frame
         that does not decode is answered with a refusal here and not returned."""
         received, self._notices = self._notices, []
-        tokens, most = 0, prompt_tokens if prompt_tokens is not None else float("inf")
+        tokens = 0
         ready = dict(self._poller.poll(0 if received else timeout * 1e3))
         if self._monitor in ready:  # before the frames: a new peer may reuse a closed one's fd
             while True:
@@ -179,7 +179,7 @@ class Transport:
                 identity = self._peers.pop(parse_monitor_message(event)["value"], None)
                 if identity is not None:  # a hello still queued in ZeroMQ arrives after it: the client
                     received.append((identity, DISCONNECTED))  # is then dropped when its silence is seen
-        while self._router in ready and len(received) < limit and tokens < most:
+        while self._router in ready and len(received) < limit and tokens < prompt_tokens:
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
