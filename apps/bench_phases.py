@@ -7,8 +7,9 @@ round, so no round hits the prefix cache of another), from a trace of every ``LL
 
 Per phase: steps, wall time, and per step the host's time in ``step`` other than waiting for the device
 and the time it waited (``ModelRunner.device_wait_seconds``). A phase whose waits are ~0 runs at the
-host's pace. ``--profile-steps N``: torch.profiler over N prefill steps of the first round (from its
-second step), and where the time went, host and device.
+host's pace. ``--profile-steps N``: torch.profiler over N prefill steps (from the second step) of each round in
+``--profile-rounds`` (the first, unless told), and where the time went, host and device; with it, each
+round prints the SM clock read at its fifth step.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main() -> None:
     add_workload_args(parser)
     parser.add_argument("--rounds", type=int, default=4, help="rounds, each with fresh prompt ids")
     parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many prefill steps")
+    parser.add_argument("--profile-rounds", default="0", help="the rounds that --profile-steps profiles: '0,1'")
     parser.add_argument(
         "--floor",
         action="store_true",
@@ -109,19 +111,24 @@ def main() -> None:
                               result.num_prefill_tokens))  # fmt: skip
             if len(trace) == 1 + args.profile_steps and "prof" in profiling:
                 sync(llm.config.device)
-                profiling.pop("prof").stop()
+                profiling["done"] = profiling.pop("prof")
+                profiling["done"].stop()
+            if len(trace) == 5 and args.profile_steps and torch.cuda.is_available():
+                profiling["clock"] = torch.cuda.clock_rate(llm.config.device)  # MHz, through NVML
             return result
 
         engine.step = traced
-        if args.profile_steps:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiling["prof"] = prof = torch.profiler.profile(activities=activities)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profile_rounds = {int(r) for r in args.profile_rounds.split(",")} if args.profile_steps else set()
         for i in range(args.rounds):
+            if i in profile_rounds:
+                profiling["prof"] = torch.profiler.profile(activities=activities)
             requests = round_workload(workload, args.seed, i + 1, hf_config.vocab_size)
             trace.clear()
             before = engine.stats()
+            before_mem = torch.cuda.memory_stats(llm.config.device) if torch.cuda.is_available() else {}
             sync(llm.config.device)
             start = time.perf_counter()
             outputs = llm.generate([r.prompt_token_ids for r in requests], [params_of(r) for r in requests],
@@ -129,6 +136,7 @@ def main() -> None:
             sync(llm.config.device)
             elapsed = time.perf_counter() - start
             after = engine.stats()
+            after_mem = torch.cuda.memory_stats(llm.config.device) if torch.cuda.is_available() else {}
             n = max(after.first_tokens - before.first_tokens, 1)
             queue = 1e3 * (after.queue_seconds - before.queue_seconds) / n
             prefill = 1e3 * (after.prefill_seconds - before.prefill_seconds) / n
@@ -137,8 +145,17 @@ def main() -> None:
             print(f"round {i}: {tokens / elapsed:,.0f} out tok/s, {len(trace)} steps; prefill phase "
                   f"{phase(trace[: last + 1])}; decode phase {phase(trace[last + 1 :])}; first token: "
                   f"queue {queue:.0f} + prefill {prefill:.0f} ms", flush=True)  # fmt: skip
-            if i == 0 and args.profile_steps:
-                print(profile_table(prof, args.profile_steps), flush=True)
+            if args.profile_steps:
+                steps_ms = " ".join(f"{1e3 * s.seconds:.1f}" for s in trace[: last + 1])
+                print(f"  prefill steps, ms: {steps_ms}", flush=True)
+                if torch.cuda.is_available():
+                    mem = {k: after_mem.get(k, 0) - before_mem.get(k, 0) for k in after_mem}
+                    print(f"  allocator: {mem.get('num_device_alloc', 0)} cudaMalloc, {mem.get('num_device_free', 0)} "
+                          f"cudaFree, {mem.get('num_alloc_retries', 0)} retries", flush=True)  # fmt: skip
+            if "clock" in profiling:
+                print(f"  SM clock at step 5: {profiling.pop('clock')} MHz", flush=True)
+            if "done" in profiling:
+                print(profile_table(profiling.pop("done"), args.profile_steps), flush=True)
         if args.floor:
             print(decode_floor(runner, workload), flush=True)
 

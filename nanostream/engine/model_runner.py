@@ -127,6 +127,8 @@ class ModelRunner:
             )
         if cuda and not config.enforce_eager and tp.size == 1:
             self.prefill_graphs = self._capture_prefill_graphs()
+        if cuda:
+            self._warm_logits()
 
     def _capture_prefill_graphs(self) -> PrefillGraphs | None:
         # Their buffers and pool come out of the memory the KV pool left (1 - gpu_memory_utilization).
@@ -139,6 +141,16 @@ class ModelRunner:
                 "(lower gpu_memory_utilization to leave room for them)"
             )
             return None
+
+    @torch.inference_mode()
+    def _warm_logits(self) -> None:
+        """The LM head at every row count a step can sample, 1 ... max_num_seqs. It runs eagerly, and cuBLAS
+        picks and loads a GEMM kernel per row count on first use: on an H200 host a stall of several ms a
+        step in the first burst's prompt steps (their row counts are new), unless it happened here."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, self.config.max_num_seqs + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     # ---- KV pool -------------------------------------------------------------------------------
 
