@@ -172,10 +172,13 @@ def test_sharded_untied_biased_qwen3_matches_hf(tmp_path, hf_model_cache):
     assert_matches_hf(hf_model_cache(tmp_path), prompts, outputs, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("any_model_dir", ["qwen3", "qwen2", "llama3"], indirect=True)
 def test_triton_backend_matches_hf_with_prefix_hits_chunks_and_preemption(any_model_dir, hf_model_cache):
-    # Without a GPU the kernels run under Triton's interpreter: slow, so one small mixed workload. Qwen3
-    # goes through the fused prologue's QK-norm, the others through it without a norm (Qwen2 and the
-    # biased Llama with biased projections, the scaled Llama with its rotary tables).
+    # Without a GPU the kernels run under Triton's interpreter: slow, so one small mixed workload, on the
+    # three models that take the kernels' different paths: Qwen3 through the fused prologue's QK-norm,
+    # Qwen2 through it with biased projections and no norm, the scaled Llama 3 with its rotary tables and
+    # biases. The kernels see no architecture: Llama and Mistral take those paths too (and match HF on
+    # the torch backend above).
     shared = random_prompts([24], seed=10)[0]
     prompts = [shared + tail for tail in random_prompts([1, 9, 40, 5], seed=11)]
     params = greedy(16)
