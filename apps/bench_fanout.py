@@ -2,7 +2,7 @@
 the connection's reader does, until every stream's ``async for`` has its chunk (real ``Stream``,
 output processor, detokenizer and tokenizer; the connection is a stand-in that only keeps the mailboxes).
 
-    python3 apps/bench_fanout.py --streams 32,64 --loops asyncio,uvloop [--model DIR]
+    python3 apps/bench_fanout.py --streams 32,64 --loops asyncio,uvloop [--model DIR] [--vocab N]
 
 Per loop and stream count: after how long the median and the last stream had their chunk (p50 over
 messages), and the last one's time divided by S: the cost of one stream's turn on this machine.
@@ -41,12 +41,14 @@ class _Connection:
         pass
 
 
-async def fan_out(tokenizer, streams: int, messages: int) -> tuple[float, float]:
-    """(median stream, last stream) seconds after the reader's put, p50 over ``messages``."""
+async def fan_out(tokenizer, streams: int, messages: int, vocab: int | None = None) -> tuple[float, float]:
+    """(median stream, last stream) seconds after the reader's put, p50 over ``messages``; output ids
+    drawn from [0, ``vocab``) (default: the tokenizer's ids)."""
     conn, rng = _Connection(tokenizer), random.Random(0)
-    high = min(len(tokenizer), 10_000)
+    high = vocab or len(tokenizer)
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
-    all_streams = [Stream(conn, [rng.randrange(high) for _ in range(100)], params) for _ in range(streams)]
+    prompt_high = min(len(tokenizer), 10_000)  # apps/bench.py's prompt ids
+    all_streams = [Stream(conn, [rng.randrange(prompt_high) for _ in range(100)], params) for _ in range(streams)]
     arrived: list[float] = []
 
     async def consume(stream: Stream) -> None:
@@ -77,6 +79,12 @@ def main() -> None:
     parser.add_argument("--loops", default="asyncio,uvloop", help="event loops, comma-separated")
     parser.add_argument("--messages", type=int, default=2000, help="messages per measurement")
     parser.add_argument("--model", help="a model directory for its tokenizer (default: the tiny random model)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        help="output ids drawn from [0, VOCAB) (default: the tokenizer's size; a random model samples its config's "
+        "vocab_size, 151,936 for apps/presets.py's qwen3-0.6b, of which the tiny tokenizer knows 512)",
+    )
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -88,7 +96,7 @@ def main() -> None:
     for loop in args.loops.split(","):
         for streams in (int(s) for s in args.streams.split(",")):
             with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
-                median, last = runner.run(fan_out(tokenizer, streams, args.messages))
+                median, last = runner.run(fan_out(tokenizer, streams, args.messages, args.vocab))
             print(f"{loop} {streams} streams: median stream +{1e6 * median:.0f} us, last +{1e6 * last:.0f} us, "
                   f"{1e6 * last / streams:.2f} us a stream's turn", flush=True)  # fmt: skip
 

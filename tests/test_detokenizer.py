@@ -96,6 +96,34 @@ def test_one_pass_decode_equals_the_incremental_text(tok, seed):
         assert decode_output(tok, prompt, ids, skip_special_tokens=skip) == text
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_the_decode_leaves_out_neither_change_the_text_nor_pile_up(tok, skip):
+    # A model's vocabulary can be larger than its tokenizer's (padded embeddings; a random model samples
+    # such ids all the time), and skipped special tokens add no text either: the text is the one-pass
+    # decode's, and the window decoded per token stays a few tokens long through thousands of them.
+    import random
+
+    rng = random.Random(0)
+    specials = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    text_ids = tok(TEXT).input_ids
+    ids = []
+    for i in text_ids:
+        ids += [rng.choice([len(tok) + rng.randrange(10**5), *specials]) for _ in range(rng.randrange(40))]
+        ids.append(i)
+    ids += [len(tok) + 7] * 3000
+    detok = IncrementalDetokenizer(tok, tok("Once upon").input_ids, skip_special_tokens=skip)
+    longest = 0
+    text = ""
+    for i in ids:
+        text += detok.add([i])
+        longest = max(longest, len(detok.ids) - detok.prefix_offset)
+    text += detok.finish()
+    assert text == decode_output(tok, tok("Once upon").input_ids, ids, skip_special_tokens=skip)
+    assert detok.num_output_tokens == len(ids)
+    assert longest <= 8  # a character's byte pieces and the context before them, never the run of ids
+    assert (text == TEXT) if skip else ("<|im_end|>" in text)
+
+
 # A prompt can end inside a character (its ids cut from an earlier output, a token budget that ran out):
 # the output tokens that complete it must show the whole character, in the stream and offline alike.
 

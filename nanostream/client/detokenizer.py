@@ -8,6 +8,7 @@ prompt began and the output completes is the output's text, whole.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,15 @@ def _decoder(tokenizer: Any, backend: Any | None) -> Callable[[list[int], bool],
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+@functools.lru_cache(maxsize=16)
+def _dropped_by_decoder(backend: Any) -> tuple[int, frozenset[int]]:
+    """What a Rust tokenizer's decode leaves out before its decoder runs: every id from the first
+    returned on (the tokenizer knows none of them) and, when skipping special tokens, the second."""
+    known = backend.get_vocab(with_added_tokens=True).values()
+    special = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return max(known, default=-1) + 1, special
+
+
 def _decode_stream(backend: Any, context: list[int], context_text: str, skip: bool) -> Any | None:
     """The tokenizers library's own incremental decoder, primed with the prompt's tail: one Rust call
     per token. None where it cannot stand in for the Python path: no Rust tokenizer, a tokenizers
@@ -102,6 +112,14 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self.holdback = max(map(len, stop), default=1) - 1
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # Ids the decode leaves out (unknown to the tokenizer, or special ones skipped) never join the
+        # window: as long as nothing adds text, the window and each token's decode would grow with them
+        # (a model whose vocabulary is larger than its tokenizer's samples such ids).
+        self._unknown_from, self._skipped = (
+            _dropped_by_decoder(self._rust) if self._rust is not None else (float("inf"), frozenset())
+        )
+        if not skip_special_tokens:
+            self._skipped = frozenset()
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.num_output_tokens = 0
@@ -140,8 +158,10 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             if self.stopped_by is not None:
                 break
-            self.ids.append(token_id)
             self.num_output_tokens += 1
+            if token_id >= self._unknown_from or token_id in self._skipped:
+                continue  # it adds no text
+            self.ids.append(token_id)
             if self._stream is None:
                 self._advance(final=False)
                 continue
