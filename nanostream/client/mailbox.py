@@ -23,10 +23,15 @@ class Mailbox:
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: p.RequestDelta, produced: float | None = None, received: float | None = None) -> None:
+        # The reader puts a step's deltas into every mailbox before the first stream runs: kept lean.
         self.processors[delta.request_id].put(delta)
-        self.produced = produced if produced is not None else self.produced
+        if produced is not None:
+            self.produced = produced
         self.received = received
-        self._wake()
+        self._ready = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         if not all(p.ends_pending for p in self.processors.values()):  # all last deltas here: nothing lost

@@ -122,20 +122,22 @@ class Stream:
             raise StopAsyncIteration
         if self._mailbox is None:
             await self._start()
+        mailbox = self._mailbox
         single = len(self._samples) == 1  # one request: wait, then take, as ever
         try:
             while True:
                 if single:
-                    await self._mailbox.wait()
+                    await mailbox.wait()
                 chunk, sample = self._take()
                 if chunk is None:
                     if not single:  # several: every sample's pending output is taken before waiting
-                        await self._mailbox.wait()
+                        await mailbox.wait()
                     continue
-                followers, sample.followers = sample.followers, []
-                for follower in followers:  # the prompt's blocks are cached now: its other samples go
-                    await self._send(follower)
-                self.produced, self.received = self._mailbox.produced, self._mailbox.received
+                if sample.followers:  # the prompt's blocks are cached now: its other samples go
+                    followers, sample.followers = sample.followers, []
+                    for follower in followers:
+                        await self._send(follower)
+                self.produced, self.received = mailbox.produced, mailbox.received
                 return chunk
         except BaseException:
             self._close_now()
@@ -144,8 +146,9 @@ class Stream:
     def _take(self) -> tuple[StreamChunk | None, _Sample | None]:
         """The next chunk of any sample that has one (and that sample), or (None, None)."""
         open_ = self._open
-        for k in range(len(open_)):
-            sample = open_[(self._turn + k) % len(open_)]
+        n = len(open_)
+        for k in range(n):
+            sample = open_[(self._turn + k) % n]
             proc = sample.processor
             chunk = proc.take()
             if proc.abort:  # a stop string: tell the engine to stop now
@@ -153,7 +156,7 @@ class Stream:
                 self.client._abort(sample.request_id)
             if chunk is None:
                 continue
-            self._turn = (self._turn + k + 1) % len(open_)
+            self._turn = (self._turn + k + 1) % n
             if chunk.finish_reason is not None:
                 open_.remove(sample)
                 self.client._forget(sample.request_id)
