@@ -57,7 +57,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
@@ -169,6 +169,10 @@ class Round:
     workers: int = 0  # the frontend's; 0: through AsyncClient
     frontend_cpu: float = float("nan")  # s, all frontend processes
     frontend_cores: float = float("nan")
+    # Per client process: when it sent its first request, and when the first request of its last stream
+    # (perf_counter s): how late a process came to the start, and how long it took to send its burst.
+    sends: list[tuple[float, float]] = field(default_factory=list)
+    collector_pauses: list[float] = field(default_factory=list)  # s, the client processes' full GC passes
 
     @property
     def elapsed(self) -> float:
@@ -196,6 +200,18 @@ class Round:
     def chunks(self) -> int:
         return sum(len(t.arrivals) for t in self.traces)
 
+    def send_spread(self) -> str:
+        """How far apart the client processes began sending, and the longest a process took to send
+        the first request of each of its streams (the burst a round starts with)."""
+        if not self.sends:
+            return ""
+        began = [first for first, _ in self.sends]
+        burst = max(last - first for first, last in self.sends)
+        text = f"; sends: processes began within {1e3 * (max(began) - min(began)):.1f} ms, burst ≤ {1e3 * burst:.1f} ms"
+        if self.collector_pauses:
+            text += f"; client full GC passes: {', '.join(f'{1e3 * p:.0f}' for p in self.collector_pauses)} ms"
+        return text
+
     def label(self) -> str:
         return f"{self.shape} w{self.workers}" if self.workers else self.shape
 
@@ -215,11 +231,13 @@ def engine_counters(address: str) -> EngineStats:
     return asyncio.run(read())
 
 
-def collect_round(procs, results, round_: int) -> tuple[list[Trace], float]:
-    traces, cpu, seen = [], 0.0, set()
+def collect_round(procs, results, round_: int, streams: int) -> tuple[list[Trace], float, list, list[float]]:
+    """Every process's traces of round ``round_``, their CPU seconds, per process (first send, the send of
+    its ``streams``-th request), and the full passes of their garbage collectors (s each)."""
+    traces, cpu, seen, sends, pauses = [], 0.0, set(), [], []
     while len(seen) < len(procs):
         try:
-            index, r, report, used = results.get(timeout=5)
+            index, r, report, used, gc_passes = results.get(timeout=5)
         except queue.Empty:
             dead = [i for i, p in enumerate(procs) if i not in seen and not p.is_alive()]
             if dead:
@@ -231,7 +249,11 @@ def collect_round(procs, results, round_: int) -> tuple[list[Trace], float]:
         seen.add(index)
         traces += report
         cpu += used
-    return traces, cpu
+        pauses += gc_passes
+        sent = sorted(t.sent for t in report)
+        if sent:
+            sends.append((sent[0], sent[min(streams, len(sent)) - 1]))
+    return traces, cpu, sends, pauses
 
 
 def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProcess, target: Target, fpids, workers=0):
@@ -256,11 +278,13 @@ def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProces
                 barrier.wait(STARTUP_TIMEOUT)  # go
             except threading.BrokenBarrierError:
                 raise RuntimeError("a client process failed:\n" + str(results.get(timeout=5)[2])) from None
-            traces, cpu = collect_round(procs, results, r)
+            traces, cpu, sends, pauses = collect_round(procs, results, r, per_process)
             after = Reading(engine_counters(engine.address), process_cpu(engine.pid), machine_jiffies())
             elapsed = max(t.arrivals[-1] for t in traces if t.arrivals) - min(t.sent for t in traces)
             engine_run = EngineRun.between(before, after, elapsed)
-            run = Round(f"{processes}x{per_process}", r, traces, cpu, engine_run, workers)
+            run = Round(
+                f"{processes}x{per_process}", r, traces, cpu, engine_run, workers, sends=sends, collector_pauses=pauses
+            )
             if workers:
                 run.frontend_cpu = sum(process_cpu(pid) for pid in fpids()) - front
                 run.frontend_cores = run.frontend_cpu / (after.time - before.time)
@@ -336,7 +360,7 @@ def progress(r: Round) -> str:
     return (
         f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
         f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms (engine mean: {eng.first_token_split()}), "
-        f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}, "
+        f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}{r.send_spread()}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )

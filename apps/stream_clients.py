@@ -3,13 +3,14 @@ chunk arrived, through ``AsyncClient`` or through the OpenAI frontend's server-s
 
 A client process runs rounds: before each it waits at a barrier twice (all processes idle, so the
 parent can read the engine's counters; then the start), runs its streams, and reports that round's
-traces and its own CPU seconds on a queue.
+traces, its own CPU seconds and its garbage collector's full passes on a queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import cProfile
+import gc
 import json
 import time
 import traceback
@@ -162,7 +163,29 @@ async def run_streams(target: Target, streams: list[list[Request]], warmup: list
             await _rounds(one, streams, rounds, barrier, results, index, profile)
 
 
+class CollectorPauses:
+    """The garbage collector's full passes in this process (each stops every stream it runs), as
+    seconds each, since the last ``take()``."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._start = time.perf_counter()
+            else:
+                self.pauses.append(time.perf_counter() - self._start)
+
+    def take(self) -> list[float]:
+        pauses, self.pauses = self.pauses, []
+        return pauses
+
+
 async def _rounds(one, streams, rounds, barrier, results, index, profile: Path | None) -> None:
+    collector = CollectorPauses()
     for round_ in range(rounds):
         await asyncio.to_thread(barrier.wait, STARTUP_TIMEOUT)  # idle: the parent reads the counters
         await asyncio.to_thread(barrier.wait, STARTUP_TIMEOUT)  # go
@@ -174,13 +197,14 @@ async def _rounds(one, streams, rounds, barrier, results, index, profile: Path |
 
         profiler = cProfile.Profile() if profile is not None and round_ == rounds - 1 else None
         cpu = time.process_time()
+        collector.take()
         if profiler is not None:
             profiler.enable()
         await asyncio.gather(*(stream(s[round_]) for s in streams))
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(profile)
-        results.put((index, round_, traces, time.process_time() - cpu))
+        results.put((index, round_, traces, time.process_time() - cpu, collector.take()))
 
 
 def loop_factory(loop: str):
@@ -201,4 +225,4 @@ def client_process(
             runner.run(run_streams(target, streams, warmup, rounds, (barrier, results, index, profile)))
     except BaseException:
         barrier.abort()  # nobody waits forever for a process that is gone
-        results.put((index, -1, traceback.format_exc(), 0.0))
+        results.put((index, -1, traceback.format_exc(), 0.0, []))
