@@ -359,7 +359,7 @@ def progress(r: Round) -> str:
     via = f"http {r.shape} round {r.index} w{r.workers}" if r.workers else f"client {r.shape} round {r.index}"
     return (
         f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
-        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.0f} ms (engine mean: {eng.first_token_split()}), "
+        f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.1f} ms (engine mean: {eng.first_token_split()}), "
         f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}{r.send_spread()}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
@@ -449,7 +449,7 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
     lines = [
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
         f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
-        f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.0f} / {1e3 * off_ttft[1]:.0f} ms, engine mean: "
+        f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.1f} / {1e3 * off_ttft[1]:.0f} ms, engine mean: "
         f"{offline.ttft_split} ==",
         *format_table(rows),
         f"chunk gap p50/p90/p99 ms: {' / '.join(f'{1e3 * g:.2f}' for g in percentiles(gaps))}",
