@@ -124,6 +124,14 @@ def test_ids_the_decode_leaves_out_neither_change_the_text_nor_pile_up(tok, skip
     assert (text == TEXT) if skip else ("<|im_end|>" in text)
 
 
+def test_a_token_added_to_the_tokenizer_later_is_not_left_out():
+    tok = build_tokenizer()
+    IncrementalDetokenizer(tok, [])  # the tokenizer as it was: ids from len(tok) on are unknown to it
+    tok.add_tokens(["<extra>"])
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok.add([tok.convert_tokens_to_ids("<extra>")]) + detok.finish() == "<extra>"
+
+
 # A prompt can end inside a character (its ids cut from an earlier output, a token budget that ran out):
 # the output tokens that complete it must show the whole character, in the stream and offline alike.
 

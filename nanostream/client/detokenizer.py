@@ -60,10 +60,15 @@ def _decoder(tokenizer: Any, backend: Any | None) -> Callable[[list[int], bool],
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-@functools.lru_cache(maxsize=16)
 def _dropped_by_decoder(backend: Any) -> tuple[int, frozenset[int]]:
     """What a Rust tokenizer's decode leaves out before its decoder runs: every id from the first
     returned on (the tokenizer knows none of them) and, when skipping special tokens, the second."""
+    return _dropped_by_decoder_of_size(backend, backend.get_vocab_size(with_added_tokens=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _dropped_by_decoder_of_size(backend: Any, size: int) -> tuple[int, frozenset[int]]:
+    # (keyed by the size too: tokens added to the tokenizer later are known to it, and not dropped)
     known = backend.get_vocab(with_added_tokens=True).values()
     special = frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
     return max(known, default=-1) + 1, special
