@@ -27,7 +27,8 @@ Every run and round has a workload of its own: apps/bench.py's lengths with fres
 first offline run: exactly apps/bench.py's), so that the prefix cache helps none of them.
 
 Per round: output tok/s and streamed ÷ offline (the median of the offline runs), TTFT p50 (request
-sent → first chunk), delivery p50 (a chunk's arrival − the end of the engine step that produced its
+sent → first chunk) and the prompt phase's pace (when the requests holding 10, 50 and 90% of the
+prompt tokens had their first tokens, from the first send; offline: from the first add), delivery p50 (a chunk's arrival − the end of the engine step that produced its
 newest token; client mode; in brackets its wire part, up to the client's reader taking the message
 off its socket, the rest being that process's event loop), tokens per chunk or SSE event, elapsed /
 engine steps (the loop's period),
@@ -104,6 +105,26 @@ class Offline:
     runs: list[tuple[float, int, EngineRun]]  # (elapsed s, output tokens, engine counters) per round
     ttft: list[float]  # s, each request's first token after all were queued
     ttft_split: str = ""  # that run's engine part of it (EngineRun.first_token_split)
+    pace: str = ""  # that run's prompt_pace
+
+
+PACE_SHARES = (0.1, 0.5, 0.9)
+
+
+def prompt_pace(firsts: list[tuple[float, int]]) -> str:
+    """``firsts``: (a request's first token, s after the start; its prompt tokens). When the requests
+    holding 10, 50 and 90% of the prompt tokens had their first tokens: the start of the prompt phase
+    and the pace of it, which a TTFT p50 alone mixes together."""
+    if not firsts:
+        return ""
+    firsts = sorted(firsts)
+    total, done, marks, shares = sum(n for _, n in firsts), 0, [], list(PACE_SHARES)
+    for at, n in firsts:
+        done += n
+        while shares and done >= shares[0] * total:
+            marks.append(at)
+            shares.pop(0)
+    return "first tokens for 10/50/90% of the prompt tokens at " + " / ".join(f"{1e3 * m:.0f}" for m in marks) + " ms"
 
 
 def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwargs, seed, threads) -> Offline:
@@ -148,7 +169,8 @@ def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwar
                 first[delta.request_id] = (now := now or time.perf_counter()) - start
     after = Reading(engine.stats(), time.process_time(), machine_jiffies())
     split = EngineRun.between(before, after, time.perf_counter() - start).first_token_split()
-    return Offline(runs, list(first.values()), split)
+    pace = prompt_pace([(first[f"ttft-{i}"], len(r.prompt_token_ids)) for i, r in enumerate(rounds[-1])])
+    return Offline(runs, list(first.values()), split, pace)
 
 
 def run_offline(args, model: Path, rounds, warmup, engine_kwargs) -> Offline:
@@ -199,6 +221,11 @@ class Round:
 
     def chunks(self) -> int:
         return sum(len(t.arrivals) for t in self.traces)
+
+    def prompt_pace(self) -> str:
+        """``prompt_pace`` from the round's first send."""
+        start = min(t.sent for t in self.traces)
+        return prompt_pace([(t.arrivals[0] - start, t.prompt_tokens) for t in self.traces if t.arrivals])
 
     def send_spread(self) -> str:
         """How far apart the client processes began sending, and the longest a process took to send
@@ -360,7 +387,7 @@ def progress(r: Round) -> str:
     return (
         f"{via}: {r.output_tokens() / r.elapsed:,.0f} out tok/s, "
         f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.1f} ms (engine mean: {eng.first_token_split()}), "
-        f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}{r.send_spread()}, "
+        f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}; {r.prompt_pace()}{r.send_spread()}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
         f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
     )
@@ -450,7 +477,7 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
         f"offline median {median:,.0f} tok/s (runs: {', '.join(f'{t:,.0f}' for t in tps)}); offline TTFT p50/p90 "
         f"(all {len(offline.ttft)} queued at once) {1e3 * off_ttft[0]:.1f} / {1e3 * off_ttft[1]:.0f} ms, engine mean: "
-        f"{offline.ttft_split} ==",
+        f"{offline.ttft_split}; {offline.pace} ==",
         *format_table(rows),
         f"chunk gap p50/p90/p99 ms: {' / '.join(f'{1e3 * g:.2f}' for g in percentiles(gaps))}",
         f"worst streamed ÷ offline: {worst:.3f} (target ≥ {target}): {'met' if worst >= target else 'MISSED'}",
