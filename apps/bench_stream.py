@@ -28,10 +28,10 @@ first offline run: exactly apps/bench.py's), so that the prefix cache helps none
 
 Per round: output tok/s and streamed ÷ offline (the median of the offline runs), TTFT p50 (request
 sent → first chunk) and the prompt phase's pace (when the requests holding 10, 50 and 90% of the
-prompt tokens had their first tokens, from the first send; offline: from the first add), delivery p50 (a chunk's arrival − the end of the engine step that produced its
-newest token; client mode; in brackets its wire part, up to the client's reader taking the message
-off its socket, the rest being that process's event loop), tokens per chunk or SSE event, elapsed /
-engine steps (the loop's period),
+prompt tokens had their first tokens, from the first send; offline: from the first add), delivery
+p50 (a chunk's arrival − the end of the engine step that produced its newest token; client mode; in
+brackets its wire part, up to the client's reader taking the message off its socket, the rest being
+that process's event loop), tokens per chunk or SSE event, elapsed / engine steps (the loop's period),
 the engine's host time and device wait per step (``EngineStats.device_wait_seconds``: near 0 means
 the device waited for the host), the CPU cores of the engine, clients and frontend, and the
 frontend's CPU µs per output token (what ``--stream-interval`` saves it). One HTTP table per worker

@@ -23,15 +23,11 @@ class Mailbox:
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, delta: p.RequestDelta, produced: float | None = None, received: float | None = None) -> None:
-        # The reader puts a step's deltas into every mailbox before the first stream runs: kept lean.
         self.processors[delta.request_id].put(delta)
         if produced is not None:
             self.produced = produced
         self.received = received
-        self._ready = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def fail(self, exc: BaseException) -> None:
         if not all(p.ends_pending for p in self.processors.values()):  # all last deltas here: nothing lost
