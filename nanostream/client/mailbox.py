@@ -24,8 +24,7 @@ class Mailbox:
 
     def put(self, delta: p.RequestDelta, produced: float | None = None, received: float | None = None) -> None:
         self.processors[delta.request_id].put(delta)
-        if produced is not None:
-            self.produced = produced
+        self.produced = produced if produced is not None else self.produced
         self.received = received
         self._wake()
 
