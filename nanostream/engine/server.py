@@ -24,6 +24,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nanostream import protocol as p
@@ -31,13 +32,21 @@ from nanostream.config import EngineConfig, ServerConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.llm_engine import LLMEngine
 from nanostream.engine.requests import Client, RequestBook
-from nanostream.engine.transport import DISCONNECTED, NOT_READING, Transport, check_bind_address, default_address
+from nanostream.engine.transport import (
+    DISCONNECTED,
+    NOT_READING,
+    SelfProbe,
+    Transport,
+    check_bind_address,
+    default_address,
+)
 from nanostream.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "engine shutting down"
 _MESSAGES_PER_ITERATION = 1024  # a flood of messages still lets the engine step between batches of them
+_PROBE_WARNING_S = 10.0  # the engine's own hello not heard after this long: something is wrong at the address
 _ADD_STEPS_PER_ITERATION = 2  # Adds read per iteration: up to this many steps' prompt tokens (max_num_batched_tokens)
 
 
@@ -100,6 +109,9 @@ class EngineServer:
         self.dropped_clients = 0
         self.requests = RequestBook(self.engine, server_config, self.clients)
         self._stop = threading.Event()
+        self._probe: SelfProbe | None = None  # serve_forever's hello to itself, until the busy loop hears it
+        self._ready: Callable[[str], None] | None = None
+        self._probe_warned = False
         self.stopped_by: int | None = None  # the signal that stopped serve_forever, if one did
         self.transport = Transport(self.address, max_request_bytes)
         self.address = self.transport.address
@@ -109,14 +121,17 @@ class EngineServer:
 
     # ---- the busy loop ---------------------------------------------------------------------------
 
-    def serve_forever(self, ready: callable | None = None) -> None:
+    def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
         """Run until SIGINT/SIGTERM; then end every open request and close cleanly. Raises
-        ``EngineFailure`` if the engine cannot go on (after telling every client)."""
+        ``EngineFailure`` if the engine cannot go on (after telling every client). ``ready(address)`` is
+        called from the busy loop once a client can connect there and be heard: when the loop has read
+        a hello this process sent itself through the address."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
-        if ready is not None:
-            ready(self.address)
+        # "Ready" waits for a hello of this process's own through the address (transport.SelfProbe).
+        self._probe = SelfProbe(self.address) if ready is not None else None
+        self._ready = ready
         next_beat = time.monotonic()
         reason = SHUTDOWN_MESSAGE
         try:
@@ -148,6 +163,8 @@ class EngineServer:
                 reason = f"the engine failed: {type(exc).__name__}: {exc}"
             raise
         finally:
+            if self._probe is not None:  # stopped before it was heard
+                self._probe.close()
             self._shutdown(reason)
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -167,6 +184,12 @@ class EngineServer:
                 log.exception("handling a %s from client %s failed", type(message).__name__, identity.hex())
 
     def _handle(self, identity: bytes, message: p.ClientMessage | object) -> None:
+        if self._probe is not None and identity == self._probe.identity:
+            if isinstance(message, p.Hello):  # heard through the address: clients can connect
+                self._probe.close()
+                self._probe = None
+                self._ready(self.address)
+            return
         client = self.clients.get(identity)
         if isinstance(message, p.Hello):
             self._hello(identity, message)
@@ -235,6 +258,13 @@ class EngineServer:
         )
 
     def _liveness(self, now: float) -> None:
+        if self._probe is not None and not self._probe_warned and now - self._probe.sent > _PROBE_WARNING_S:
+            self._probe_warned = True
+            log.warning(
+                "this engine's own hello through %s has not arrived in %g s: clients cannot connect there yet",
+                self.address,
+                _PROBE_WARNING_S,
+            )
         if self._parent is not None and os.getppid() != self._parent:  # orphaned: re-parented
             log.warning("the process that started this engine (pid %d) has exited: stopping", self._parent)
             self._stop.set()

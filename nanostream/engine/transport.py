@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -96,6 +97,27 @@ def _listening(path: Path) -> bool:
     return True
 
 
+class SelfProbe:
+    """A hello this process sends to its own engine through the address clients use. When the busy loop
+    reads it, a client can connect there and be heard: only then does the engine say it is ready (a
+    bind alone proves less: the socket file may have moved, a listener may not be accepting yet)."""
+
+    def __init__(self, address: str) -> None:
+        self.identity = f"ready-probe-{secrets.token_hex(8)}".encode()
+        self.sent = time.monotonic()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        # Queued in ZeroMQ until the connection is up, then sent: no retry of ours is needed.
+        self._sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, None, os.getpid(), None)), flags=zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
 class Transport:
     """Binds ``address`` (tcp port 0: any free port); ``address`` then holds the bound endpoint.
 
@@ -105,6 +127,7 @@ class Transport:
     def __init__(self, address: str, max_request_bytes: int = p.MAX_MESSAGE_BYTES) -> None:
         self.registered: set[bytes] = set()  # identities the busy loop welcomed (it adds and removes them)
         self.max_request_bytes = max_request_bytes
+        self._socket_inode: int | None = None  # an ipc socket file's, to remove only our own at close
         self._outbox: list[tuple[bytes, bytes]] = []  # (identity, frame): this iteration's messages
         self._notices: list[tuple[bytes, object]] = []  # NOT_READING found while sending: the next receive()'s
         self._ctx = zmq.Context()
@@ -149,6 +172,7 @@ class Transport:
         try:
             self._router.bind(f"ipc://{private}/s")
             os.chmod(private / "s", 0o600)
+            self._socket_inode = os.stat(private / "s").st_ino
             os.replace(private / "s", path)
         finally:
             with contextlib.suppress(OSError):
@@ -217,8 +241,11 @@ class Transport:
         self.flush()
         self._close_sockets(linger=None)
         path = _ipc_path(self.address) if self.address.startswith("ipc://") else None
-        if path is not None:
-            path.unlink(missing_ok=True)
+        # Only the file this engine made: a new engine at the same address may have bound while this
+        # one's sockets lingered, and removing its file would leave it unreachable.
+        with contextlib.suppress(OSError):
+            if path is not None and os.stat(path).st_ino == self._socket_inode:
+                path.unlink()
 
     def _close_sockets(self, linger: int | None) -> None:
         self._router.disable_monitor()
