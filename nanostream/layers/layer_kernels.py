@@ -3,10 +3,13 @@
 - A backend that runs Triton (``triton``, ``flash_attn``: its ``prologue`` is set): the attention layers
   norm, rotate and store K/V in the fused prologue, and the norms and SiLU-and-mul are Triton kernels
   too (``nanostream.kernels.norm_act``): one launch each, where a compiled function's call costs its
-  guards on the host (the model runs eagerly at prefill). Nothing is left for torch.compile.
+  guards on the host (the model runs eagerly at prefill). Nothing is left for torch.compile. The MoE
+  layers' experts run the fused MoE kernel (``nanostream.kernels.fused_moe``: sorted tokens, grouped
+  GEMMs, no host sync, so CUDA graphs capture it).
 - Otherwise, with ``compile`` (the ``torch`` backend on CUDA with ``torch_compile``): the torch code of the
   elementwise layers (norms, rotary, SiLU-and-mul), torch.compile'd, fuses into one kernel each.
-- Otherwise the torch code, eagerly.
+- Otherwise the torch code, eagerly. The MoE experts' reference (``layers.moe.moe_experts``) is never
+  compiled; where ``grouped_mm`` runs (CPU, bf16 on CUDA) it has no host sync either.
 
 Compiling leaves dynamo's process-wide settings as they were. Each compiled function is one form
 (a norm with a residual add is another function than one without), so its variants (rank, a batch
@@ -27,6 +30,7 @@ import torch
 
 from nanostream.layers.activation import silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
+from nanostream.layers.moe import MoEFn, moe_experts
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
 from nanostream.layers.rotary import RotaryFn, apply_rotary
 
@@ -41,6 +45,7 @@ class LayerKernels:
     rms_norm: RMSNormFn = rms_norm
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
     rotary: RotaryFn = apply_rotary  # unused where the attention backend's prologue rotates
+    moe: MoEFn = moe_experts  # the routed experts of the MoE layers
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, compile: bool = False) -> LayerKernels:
@@ -49,10 +54,11 @@ class LayerKernels:
         kernels = LayerKernels.for_backend(get_backend("auto", device, ...), compile=device.type == "cuda")
         """
         if backend.prologue is not None:
+            from nanostream.kernels.fused_moe import fused_moe
             from nanostream.kernels.norm_act import rms_norm as triton_rms_norm
             from nanostream.kernels.norm_act import silu_and_mul as triton_silu_and_mul
 
-            return cls(backend, rms_norm=triton_rms_norm, silu_and_mul=triton_silu_and_mul)
+            return cls(backend, rms_norm=triton_rms_norm, silu_and_mul=triton_silu_and_mul, moe=fused_moe)
         if compile:
             return cls(
                 backend,

@@ -1,0 +1,220 @@
+"""Fused MoE: the routed experts' SwiGLU MLPs as two grouped GEMMs over tokens sorted by expert (the design of
+vLLM's ``fused_moe``), computing what ``nanostream.layers.moe.moe_experts`` computes.
+
+1. ``align_by_expert``: the T*K (token, expert) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M (a pad entry holds T*K, a pair that does not exist), and each block's expert.
+   Torch ops on the device, no host sync; the buffers have a static length (T*K pairs plus at most
+   BLOCK_M - 1 pads for each of the min(E, T*K) experts that can have pairs), so a CUDA graph captures
+   it at a fixed T, and the kernels' programs past the padded end return at once.
+2. ``_moe_gemm_kernel`` with SILU_AND_MUL: per block of pairs and tile of the intermediate dimension, the
+   pairs' token rows times the expert's gate and up rows (two float32 accumulators), silu(gate) * up
+   stored: [T*K, I]. The [T*K, 2I] gate/up product is never written.
+3. ``_moe_gemm_kernel`` with MUL_WEIGHT: per block and tile of H, those rows times the expert's down
+   rows, times the pair's routing weight: [T*K, H].
+4. Each token's K rows summed (torch, top-k order, as the reference): [T, H].
+
+Tiles come from ``TILES`` by shape and token count (``tile_for``). Its values are UNMEASURED starting
+points (vLLM's defaults' shape: small BLOCK_M while tokens per expert are few); apps/bench_kernels.py's
+``moe`` section sweeps ``SWEEP`` on a GPU to replace them with measured ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoETile:
+    block_m: int  # pairs per program (and the padding of each expert's run)
+    block_n: int  # output columns per program
+    block_k: int  # reduction step
+    group_m: int  # row blocks that share their weight tiles in L2 (program order)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (num_experts, hidden, intermediate per rank, dtype) or "default" -> ((up to this many tokens, tile), ...),
+# the last for any count. UNMEASURED: starting values, to be replaced by apps/bench_kernels.py --sections moe.
+TILES: dict[tuple[int, int, int, str] | str, tuple[tuple[int, MoETile], ...]] = {
+    "default": (
+        (32, MoETile(16, 64, 128, 1, num_warps=4, num_stages=4)),  # decode: each expert sees a row or two
+        (256, MoETile(32, 64, 64, 4, num_warps=4, num_stages=3)),
+        (2048, MoETile(64, 64, 64, 8, num_warps=4, num_stages=3)),
+        (1 << 62, MoETile(64, 128, 64, 8, num_warps=8, num_stages=3)),
+    ),
+}
+SWEEP = (
+    MoETile(16, 32, 64, 1),
+    MoETile(16, 64, 128, 1, num_stages=4),
+    MoETile(16, 128, 128, 1, num_stages=4),
+    MoETile(32, 64, 64, 4),
+    MoETile(32, 128, 64, 4),
+    MoETile(64, 64, 64, 8),
+    MoETile(64, 128, 64, 8, num_warps=8),
+    MoETile(128, 128, 64, 8, num_warps=8),
+)
+"""Tiles the benchmark tries at each shape (apps/kernel_bench/moe.py)."""
+
+
+def tile_for(num_tokens: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> MoETile:
+    """The ``TILES`` entry for this shape (else the default) and token count."""
+    rows = TILES.get((num_experts, hidden, intermediate, str(dtype).removeprefix("torch.")), TILES["default"])
+    return next(tile for upto, tile in rows if num_tokens <= upto)
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> (sorted_pairs [P] int32: pair indices t*K + k by expert, each expert's run padded to
+    a multiple of ``block_m`` with T*K; block_experts [P / block_m] int32; num_padded [1] int32, the padded
+    length used). P is a static bound of T, K, E and block_m alone."""
+    num_pairs = topk_ids.numel()
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    length = triton.cdiv(bound, block_m) * block_m
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]; not bincount (a host sync)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)  # [E]: each expert's padded run ends here
+    order = torch.argsort(flat, stable=True)  # [T*K] pairs by expert
+    by_expert = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[by_expert]  # within its run
+    sorted_pairs = torch.full((length,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, (ends - padded)[by_expert] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, length, block_m, dtype=torch.int32, device=device)
+    # A block past the last run gets expert E (clamped: its program returns before reading it).
+    block_experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_experts, ends[-1:]
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, weights_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr,
+    N, K, num_pairs, num_blocks_m,
+    stride_am, stride_we, stride_wn, stride_cm, up_offset,
+    A_ROW_DIV: tl.constexpr, SILU_AND_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Program -> (block of sorted pairs, tile of N), GROUP_M row blocks per band so that they reuse the
+    # expert's weight tile from L2. c[pair, n] = sum_k a[pair // A_ROW_DIV, k] * w[expert, n, k]
+    # (w's rows have unit stride along K); SILU_AND_MUL: silu(that) * the same over the rows up_offset on.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * num_n
+    first_m = (pid // band) * GROUP_M
+    rows_in_band = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % rows_in_band
+    pid_n = (pid % band) // rows_in_band
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pairs < num_pairs
+    pairs = tl.where(valid, pairs, 0).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    # [BLOCK_K, BLOCK_N]: the expert's rows offs_n, read along K
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if IEEE:  # noqa: SIM108 (float32 operands: exact products, not TF32)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        if SILU_AND_MUL:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            if IEEE:  # noqa: SIM108
+                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, w_up, acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SILU_AND_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _check_layout(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {x.dim()}, {w13.dim()}, {w2.dim()} dims"
+        )
+    (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
+    if w13.shape[2] != hidden or two_i % 2 or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}: need [{num_tokens}, K]"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.dtype.is_floating_point:
+        raise ValueError(
+            f"topk_ids must be int32/int64, topk_weights float; got {topk_ids.dtype}, {topk_weights.dtype}"
+        )
+    if x.dtype != w13.dtype or w2.dtype != w13.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype; got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError(f"rows must be contiguous: strides x {x.stride()}, w13 {w13.stride()}, w2 {w2.stride()}")
+    if not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights must be contiguous, got strides {topk_weights.stride()}")
+    if len({t.device for t in (x, w13, w2, topk_weights, topk_ids)}) != 1:
+        raise ValueError("x, the weights and the routing tensors must be on one device")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    tile: MoETile | None = None,
+) -> torch.Tensor:
+    """``nanostream.layers.moe.MoEFn``: the routed experts of x [T, H] (unit-stride rows) with w13 [E, 2I, H]
+    (gate rows, then up) and w2 [E, H, I] (unit stride along their last dimension), topk_ids / topk_weights
+    [T, K] (contiguous weights, any float dtype: applied in float32); [T, H] in x's dtype.
+
+    ``tile`` overrides ``tile_for``'s choice (benchmarks)."""
+    _check_layout(x, w13, w2, topk_weights, topk_ids)
+    (num_tokens, hidden), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_ids.shape[1]
+    inter = two_i // 2
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    tile = tile or tile_for(num_tokens, num_experts, hidden, inter, x.dtype)
+    sorted_pairs, block_experts, num_padded = align_by_expert(topk_ids, num_experts, tile.block_m)
+    num_pairs, num_blocks_m = num_tokens * top_k, block_experts.shape[0]
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # weighted down per pair
+    common = dict(
+        IEEE=x.dtype == torch.float32, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip
+    _moe_gemm_kernel[(num_blocks_m * triton.cdiv(inter, tile.block_n),)](
+        x, w13, act, topk_weights, sorted_pairs, block_experts, num_padded,
+        inter, hidden, num_pairs, num_blocks_m,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter * w13.stride(1),
+        A_ROW_DIV=top_k, SILU_AND_MUL=True, MUL_WEIGHT=False, **common,
+    )  # fmt: skip
+    _moe_gemm_kernel[(num_blocks_m * triton.cdiv(hidden, tile.block_n),)](
+        act, w2, out, topk_weights, sorted_pairs, block_experts, num_padded,
+        hidden, inter, num_pairs, num_blocks_m,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), 0,
+        A_ROW_DIV=1, SILU_AND_MUL=False, MUL_WEIGHT=True, **common,
+    )  # fmt: skip
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H], each token's K rows in top-k order

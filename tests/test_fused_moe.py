@@ -1,0 +1,99 @@
+"""The fused MoE kernel (nanostream.kernels.fused_moe) against the torch reference (layers.moe.moe_experts), and
+the reference against a plain per-token loop over each token's experts.
+
+On CPU the kernel runs under Triton's interpreter (small shapes, float32); the gpu-marked cases in
+tests/test_gpu_moe.py run it compiled, in bfloat16, at Qwen3-30B-A3B's and Mixtral's shapes.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanostream.kernels.fused_moe import MoETile, align_by_expert, fused_moe, tile_for
+from nanostream.layers.moe import moe_experts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def per_token_loop(x, w13, w2, weights, ids):
+    """float64, one token and one of its experts at a time: the definition."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].double() @ x[t].double()  # [2I]
+            out[t] += weights[t, j].double() * (w2[e].double() @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def routing(num_tokens, num_experts, k, gen, *, unused=(), skew=False):
+    """topk ids [T, K] (distinct per token, never an expert of ``unused``) and normalised weights [T, K]."""
+    allowed = torch.tensor([e for e in range(num_experts) if e not in unused])
+    scores = torch.rand(num_tokens, len(allowed), generator=gen)
+    if skew:  # uneven loads: expert 0 (if allowed) is in almost every token's top k
+        scores[:, 0] += 0.9
+    ids = allowed[scores.topk(k, dim=-1).indices]
+    weights = torch.rand(num_tokens, k, generator=gen) + 0.1
+    return ids.to(DEVICE), (weights / weights.sum(-1, keepdim=True)).to(DEVICE)
+
+
+def experts(num_experts, hidden, inter, gen, dtype=torch.float32):
+    w13 = 0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)
+    w2 = 0.2 * torch.randn(num_experts, hidden, inter, generator=gen)
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+CASES = {  # (tokens, experts, top-k, hidden, intermediate, routing)
+    "one token": (1, 8, 2, 64, 32, {}),
+    "uneven loads": (37, 8, 2, 48, 40, {"skew": True}),
+    "an expert with no tokens": (9, 6, 3, 64, 48, {"unused": (2, 5)}),
+    "more tokens than a tile": (70, 4, 1, 32, 16, {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_matches_the_torch_path(case):
+    num_tokens, num_experts, k, hidden, inter, how = CASES[case]
+    gen = torch.Generator().manual_seed(list(CASES).index(case))
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    w13, w2 = experts(num_experts, hidden, inter, gen)
+    ids, weights = routing(num_tokens, num_experts, k, gen, **how)
+    ref = moe_experts(x, w13, w2, weights, ids)
+    exact = per_token_loop(x, w13, w2, weights, ids)
+    torch.testing.assert_close(ref.double(), exact, rtol=1e-5, atol=1e-5)
+    tiles = [None, MoETile(16, 16, 16, 2), MoETile(32, 32, 32, 1)]  # the table's, and two more (N, K tails)
+    for tile in tiles:
+        out = fused_moe(x, w13, w2, weights, ids, tile=tile)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_alignment_pads_each_experts_run_to_the_block_and_bounds_the_length_statically():
+    ids = torch.tensor([[0, 2], [2, 0], [2, 1]], device=DEVICE)  # pairs 0..5; expert 3 gets none
+    pairs, block_experts, num_padded = align_by_expert(ids, 4, 4)
+    pad = 6  # T*K: a pair that does not exist
+    assert pairs.tolist() == [0, 3, pad, pad, 5, pad, pad, pad, 1, 2, 4, pad] + [pad] * 8
+    assert len(pairs) == 20  # T*K + min(E, T*K) * (block - 1), rounded up to the block: any routing fits
+    assert block_experts.tolist()[:3] == [0, 1, 2] and num_padded.tolist() == [12]
+
+
+def test_the_launcher_checks_layouts():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=gen).to(DEVICE)
+    w13, w2 = experts(4, 32, 16, gen)
+    ids, weights = routing(3, 4, 2, gen)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, w13, w2[:, :, :8], weights, ids)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        fused_moe(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_moe(x.double(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_weights must be contiguous"):
+        fused_moe(x, w13, w2, weights.t().contiguous().t(), ids)
+
+
+def test_tiles_come_from_the_table_by_token_count():
+    small, large = tile_for(1, 128, 2048, 768, torch.bfloat16), tile_for(8192, 128, 2048, 768, torch.bfloat16)
+    assert small.block_m <= large.block_m
+    assert tile_for(10**9, 8, 64, 32, torch.float32) == large  # the last row holds any count
