@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class EngineConfig:
     """Seconds a tensor-parallel worker may send no heartbeat before the engine takes it for hung and fails."""
     seed: int = 0
     """Seeds the sampling of requests that bring no seed of their own."""
+    load_format: str = "auto"
+    """auto: the model directory's *.safetensors weights; dummy: small random values of config.json's shapes
+    (the directory needs only config.json and a tokenizer), for benchmarks of shapes without a checkpoint."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -92,6 +96,8 @@ class EngineConfig:
             )
         if isinstance(self.worker_timeout, bool) or not 0 < self.worker_timeout < float("inf"):
             raise ValueError(f"worker_timeout must be a positive number of seconds, got {self.worker_timeout!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

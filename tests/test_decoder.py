@@ -22,7 +22,10 @@ from nanostream.layers.norm import RMSNorm
 from nanostream.models import SUPPORTED_ARCHITECTURES, decoder_spec, load_model
 from nanostream.sampling_params import SamplingParams
 
-ALL = "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"
+ALL = (
+    "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM"
+)
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 

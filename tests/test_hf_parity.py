@@ -1,7 +1,8 @@
 """nanostream's greedy output is token-identical to Hugging Face transformers' on the same weights.
 
 Every architecture the shared decoder runs: Qwen3 (QK-norm, tied), Qwen2 (q/k/v biases), Llama (untied),
-Llama with Llama 3 rope scaling (and attention and MLP biases, untied), Mistral (tied)."""
+Llama with Llama 3 rope scaling (and attention and MLP biases, untied), Mistral (tied), and the mixture-of-experts
+Qwen3-MoE, Qwen2-MoE (a shared expert, a dense layer) and Mixtral (more on them in test_moe.py)."""
 
 import random
 
@@ -23,12 +24,13 @@ def greedy(n):
 
 
 GREEDY = greedy(24)
-ARCHS = ["qwen3", "qwen2", "llama", "llama3", "mistral"]
+ARCHS = ["qwen3", "qwen2", "llama", "llama3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 @pytest.fixture(scope="session")
 def presets(tmp_path_factory):
-    """The tiny Llama (untied), Llama 3 (rope scaling, attention and MLP biases, untied) and Mistral (tied)."""
+    """The tiny Llama (untied), Llama 3 (rope scaling, attention and MLP biases, untied), Mistral (tied) and
+    mixture-of-experts models."""
     return {name: make_tiny_model(tmp_path_factory.mktemp(name), **kw) for name, kw in TINY_PRESETS.items()}
 
 

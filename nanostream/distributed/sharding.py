@@ -5,6 +5,9 @@ they read. With fewer KV heads than ranks each KV head is replicated on ``n / Hk
 (rank ``r`` holds KV head ``r * Hkv // n``, the one its query heads share). The MLP's intermediate size
 and the vocabulary split into ``n`` equal ranges. Norms, rotary tables and biases of row-parallel
 projections are whole on every rank.
+
+In a mixture-of-experts layer every rank holds every expert, ``[r * I/n, (r+1) * I/n)`` of each one's
+intermediate dimension (and of the shared expert's); the router is whole on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class DecoderShard:
     kv_heads: range  # KV heads (one, shared with neighbouring ranks, when Hkv < size)
     intermediate: range  # rows of gate and up, columns of down
     vocab: range  # rows of the embedding and the LM head
+    expert_intermediate: range = range(0)  # of every expert (MoE layers)
+    shared_intermediate: range = range(0)  # of Qwen2-MoE's shared expert
 
     @property
     def num_heads(self) -> int:
@@ -51,8 +56,16 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
         problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
     if hkv < size and size % hkv:
         problems.append(f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated")
-    if spec.intermediate_size % size:
+    moe = spec.moe
+    dense_layers = spec.num_layers - (len(moe.layers) if moe else 0)
+    if dense_layers and spec.intermediate_size % size:
         problems.append(f"intermediate_size ({spec.intermediate_size}) is not divisible by it")
+    if moe and moe.intermediate_size % size:
+        problems.append(f"the experts' intermediate size ({moe.intermediate_size}) is not divisible by it")
+    if moe and moe.shared_expert_intermediate_size % size:
+        problems.append(
+            f"shared_expert_intermediate_size ({moe.shared_expert_intermediate_size}) is not divisible by it"
+        )
     if spec.vocab_size % size:
         problems.append(f"vocab_size ({spec.vocab_size}) is not divisible by it")
     return problems
@@ -83,4 +96,6 @@ def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
         kv_heads=kv_heads,
         intermediate=_split(spec.intermediate_size, rank, size),
         vocab=_split(spec.vocab_size, rank, size),
+        expert_intermediate=_split(spec.moe.intermediate_size, rank, size) if spec.moe else range(0),
+        shared_intermediate=_split(spec.moe.shared_expert_intermediate_size, rank, size) if spec.moe else range(0),
     )

@@ -104,7 +104,9 @@ class ModelRunner:
             head_dim=self.spec.head_dim,
         )
         kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
-        self.model = load_model(self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp)
+        self.model = load_model(
+            self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp, load_format=config.load_format
+        )
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.prefill_graphs: PrefillGraphs | None = None

@@ -17,7 +17,7 @@ from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM, DecoderSpec
-from nanostream.models.loader import load_weights
+from nanostream.models.loader import load_dummy_weights, load_weights
 
 __all__ = [
     "ARCHITECTURES",
@@ -47,10 +47,15 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel = SINGLE,
+    load_format: str = "auto",
 ) -> DecoderForCausalLM:
     """The decoder of ``spec``, built on ``device`` in ``dtype`` with ``kernels``, weights from ``path``, eval mode.
-    With ``tp`` of several ranks: this rank's shard, read alone from the files."""
+    With ``tp`` of several ranks: this rank's shard, read alone from the files. ``load_format="dummy"``:
+    random weights of the config's shapes instead (``path`` needs no weight files)."""
     with _default_dtype(dtype), torch.device(device):
         model = DecoderForCausalLM(spec, kernels, tp)
-    load_weights(model, path)
+    if load_format == "dummy":
+        load_dummy_weights(model)
+    else:
+        load_weights(model, path)
     return model.eval()

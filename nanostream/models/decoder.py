@@ -1,10 +1,13 @@
-"""The decoder shared by every supported architecture (Qwen3, Qwen2, Llama, Mistral).
+"""The decoder shared by every supported architecture (Qwen3, Qwen2, Llama, Mistral, and the mixture-of-experts
+Qwen3-MoE, Qwen2-MoE and Mixtral).
 
-What one family does differently (QK-norm, biases, rope scaling, ...) is a field of ``DecoderSpec``, read
-from its config.json by the declarations of models/architectures.py. Which kernels the layers run comes
-with ``LayerKernels`` at construction. Parameter names follow the Hugging Face checkpoints; where a
-module sits elsewhere here (the fused ``qkv_proj`` and ``gate_up_proj``, the QK-norms inside the
-attention layer) ``checkpoint_modules`` says where its tensors go.
+What one family does differently (QK-norm, biases, rope scaling, which layers are MoE, ...) is a field of
+``DecoderSpec``, read from its config.json by the declarations of models/architectures.py. Each layer's
+MLP is the dense ``MLP`` or, in the layers ``spec.moe`` names, the ``SparseMoE`` block (layers/moe.py).
+Which kernels the layers run comes with ``LayerKernels`` at construction. Parameter names follow the
+Hugging Face checkpoints; where a module sits elsewhere here (the fused ``qkv_proj`` and ``gate_up_proj``,
+the QK-norms inside the attention layer, the stacked experts) ``checkpoint_modules`` and the
+``checkpoint_*`` maps below say where its tensors go.
 
 With tensor parallelism (``tp``, distributed/group.py) every module is built for this rank's shard
 (distributed/sharding.py): q/k/v and gate/up column-parallel (whole heads per rank), o_proj and down_proj
@@ -25,6 +28,7 @@ from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
+from nanostream.layers.moe import MoESpec, SparseMoE
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import Llama3RopeScaling, RotaryEmbedding
 from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
@@ -51,6 +55,7 @@ class DecoderSpec:
     tie_word_embeddings: bool
     mlp_bias: bool = False
     rope_scaling: Llama3RopeScaling | None = None
+    moe: MoESpec | None = None  # the mixture-of-experts layers; None: every MLP is dense
 
 
 def _head_rows(heads: range, head_dim: int) -> range:
@@ -116,7 +121,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
         self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm)
-        self.mlp = MLP(spec, kernels, shard, tp)
+        self.mlp = _mlp(spec, layer_idx, kernels, shard, tp)
+
+
+def _mlp(
+    spec: DecoderSpec, layer_idx: int, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel
+) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: the MoE block in the layers ``spec.moe`` names, else the dense one."""
+    if spec.moe is None or layer_idx not in spec.moe.layers:
+        return MLP(spec, kernels, shard, tp)
+    act = SiluAndMul(kernels.silu_and_mul)
+    return SparseMoE(
+        spec.hidden_size, spec.moe, shard.expert_intermediate, shard.shared_intermediate, kernels.moe, act, tp
+    )
 
 
 class DecoderModel(nn.Module):
@@ -186,6 +203,20 @@ class DecoderForCausalLM(nn.Module):
         "q_norm": ("attn.q_norm", None),
         "k_norm": ("attn.k_norm", None),
     }
+    checkpoint_aliases = {"block_sparse_moe": "mlp"}  # Mixtral's published name of its MoE block
+    # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
+    # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).
+    checkpoint_expert_tensors = {
+        "gate_proj": ("w13", "gate"),
+        "up_proj": ("w13", "up"),
+        "down_proj": ("w2", "down"),
+        "w1": ("w13", "gate"),
+        "w3": ("w13", "up"),
+        "w2": ("w2", "down"),
+    }
+    # Every expert's, stacked, ``{block}.experts.{name}``: what transformers' save_pretrained writes
+    # with save_original_format=False (its default writes the published per-expert names).
+    checkpoint_stacked_experts = {"gate_up_proj": ("w13", "gate_up"), "down_proj": ("w2", "down")}
 
     def __init__(self, spec: DecoderSpec, kernels: LayerKernels, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -1,11 +1,13 @@
-"""Finding a model directory and loading safetensors weights into a model by their Hugging Face names.
+"""Finding a model directory and loading safetensors weights into a model by their Hugging Face names, or
+random ones (``load_format="dummy"``).
 
 Tensors are read as safetensors slices: a module that holds part of a tensor (a tensor-parallel shard, a
-part of a fused projection) reads only that part of the file."""
+part of a fused projection, one expert's rows) reads only that part of the file."""
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -44,6 +46,38 @@ def resolve_model_path(model: str) -> Path:
         ) from exc
 
 
+def _resolve(model: nn.Module, name: str) -> tuple[str, str | None]:
+    """The parameter of ``model`` a checkpoint tensor goes to, and the part of it (None: the whole)."""
+    aliases = getattr(model, "checkpoint_aliases", {})
+    parts = [aliases.get(p, p) for p in name.split(".")]
+    if "experts" in parts:  # an MoE block's experts: per expert, or stacked
+        i = parts.index("experts")
+        rest, block = parts[i + 1 :], parts[: i + 1]
+        per_expert = getattr(model, "checkpoint_expert_tensors", {})
+        stacked = getattr(model, "checkpoint_stacked_experts", {})
+        if len(rest) == 3 and rest[0].isdigit() and rest[1] in per_expert and rest[2] == "weight":
+            param, part = per_expert[rest[1]]
+            return ".".join([*block, param]), f"{part}.{int(rest[0])}"
+        if len(rest) == 1 and rest[0] in stacked:
+            param, part = stacked[rest[0]]
+            return ".".join([*block, param]), part
+    renamed = getattr(model, "checkpoint_modules", {})
+    for i, part in enumerate(parts):
+        if part in renamed:
+            module, shard = renamed[part]
+            return ".".join([*parts[:i], module, *parts[i + 1 :]]), shard
+    return ".".join(parts), None
+
+
+def _wanted(model: nn.Module, pname: str, param: nn.Parameter) -> list[str]:
+    """The parts ``pname`` must be loaded as: one per shard of a merged or expert module, else one."""
+    module = model.get_submodule(pname.rsplit(".", 1)[0])
+    if hasattr(module, "shards"):  # layers.moe.Experts
+        return [f"{pname}:{s}" for s in module.shards(param)]
+    shards = getattr(module, "shard_offsets", None)
+    return [f"{pname}:{s}" for s in shards] if shards else [f"{pname}:None"]
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every tensor of ``path/*.safetensors`` into ``model``; raise if a parameter stays unloaded, or if
     a tensor has no place in the model (its weights are for another architecture than config.json names).
@@ -51,12 +85,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
     ``model.checkpoint_modules`` maps a checkpoint module name to (its module in ``model``, a shard of it or
     None): ``{"q_proj": ("qkv_proj", "q"), "q_norm": ("attn.q_norm", None)}``. A module with a shard takes it
     with ``load_shard(param, slice, shard)``; one with ``load_weight(param, slice)`` (the tensor-parallel
-    layers) reads its own part; any other parameter is copied whole."""
+    layers) reads its own part; any other parameter is copied whole. ``checkpoint_aliases`` renames whole
+    modules (Mixtral's ``block_sparse_moe`` is ``mlp``); an MoE block's experts come per expert
+    (``checkpoint_expert_tensors``: ``experts.3.gate_proj.weight`` is part "gate.3" of ``experts.w13``) or
+    stacked (``checkpoint_stacked_experts``: ``experts.gate_up_proj``), and the ``Experts`` module's
+    ``load_shard`` says which of its parts each filled."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors files in {path}")
+        raise ModelLoadError(
+            f"no *.safetensors files in {path}; to run the config's shapes with random weights, "
+            "pass load_format='dummy' (--load-format dummy)"
+        )
     params = dict(model.named_parameters())
-    renamed = getattr(model, "checkpoint_modules", {})
     spec = getattr(model, "spec", None)
     tied = getattr(spec, "tie_word_embeddings", False)
     loaded: set[str] = set()
@@ -66,22 +106,17 @@ def load_weights(model: nn.Module, path: Path) -> None:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                target, shard = name, None
-                parts = name.split(".")
-                for i, part in enumerate(parts):
-                    if part in renamed:
-                        module, shard = renamed[part]
-                        target = ".".join([*parts[:i], module, *parts[i + 1 :]])
-                        break
+                target, shard = _resolve(model, name)
                 param = params.get(target)
                 if param is None:
                     unexpected.append(name)
                     continue
                 tensor = f.get_slice(name)
                 module = model.get_submodule(target.rsplit(".", 1)[0])
+                filled = None
                 with torch.no_grad():
                     if shard is not None:
-                        module.load_shard(param, tensor, shard)
+                        filled = module.load_shard(param, tensor, shard)
                     elif hasattr(module, "load_weight"):
                         module.load_weight(param, tensor)
                     else:
@@ -89,18 +124,38 @@ def load_weights(model: nn.Module, path: Path) -> None:
                         if tuple(param.shape) != shape:
                             raise ModelLoadError(f"{name}: checkpoint shape {shape}, model {tuple(param.shape)}")
                         param.copy_(tensor[:])
-                loaded.add(f"{target}:{shard}")
+                loaded.update(f"{target}:{s}" for s in (filled or [shard]))
     if unexpected:
         arch = getattr(spec, "architecture", "this model")
         raise ModelLoadError(
             f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "
             f"{', '.join(unexpected[:3])}; is config.json's architectures right? nanostream runs {supported_list()}"
         )
-    missing = []
-    for pname, _ in model.named_parameters():
-        shards = getattr(model.get_submodule(pname.rsplit(".", 1)[0]), "shard_offsets", None)
-        wanted = [f"{pname}:{s}" for s in shards] if shards else [f"{pname}:None"]
-        missing += [w for w in wanted if w not in loaded]
+    missing = [w for pname, param in model.named_parameters() for w in _wanted(model, pname, param) if w not in loaded]
     if missing:
         shown = ", ".join(m.replace(":None", "") for m in missing[:5])
         raise ModelLoadError(f"{path} lacks {len(missing)} weight(s) the model needs, e.g. {shown}")
+
+
+DUMMY_GAIN = 0.5
+"""A dummy matrix's entries have standard deviation ``DUMMY_GAIN / sqrt(fan_in)``: each projection shrinks
+its input's scale by about this much, so the residual stream grows by O(1) a layer at any width and depth
+and a bfloat16 forward stays finite; norm weights are near 1."""
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter with random values (``load_format="dummy"``: benchmarks of a shape without a
+    checkpoint): norm weights 1 + U(-0.05, 0.05), biases N(0, 0.02^2), matrices and stacked experts
+    N(0, (DUMMY_GAIN / sqrt(fan_in))^2) (fan_in: the last dimension).
+
+    Each parameter's values come from a generator seeded by its name (and ``seed``) on its own device, so
+    every tensor-parallel rank holds the same router, norms and biases."""
+    for name, param in model.named_parameters():
+        gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if param.dim() == 1 and name.endswith("norm.weight"):
+            param.uniform_(0.95, 1.05, generator=gen)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.normal_(0.0, DUMMY_GAIN / param.shape[-1] ** 0.5, generator=gen)

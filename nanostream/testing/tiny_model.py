@@ -102,7 +102,33 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *
     return fast
 
 
-TINY_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+TINY_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+# Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
+# Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert.
+_TINY_MOE: dict[str, dict] = {
+    "Qwen3MoeForCausalLM": dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "Qwen2MoeForCausalLM": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+    ),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+}
+EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
 )
@@ -119,8 +145,12 @@ TINY_PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
     "mistral": dict(architecture="MistralForCausalLM", seed=5),  # tied embeddings
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", seed=7),
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", seed=8),  # a shared expert, a dense layer
+    "mixtral": dict(architecture="MixtralForCausalLM", seed=9),
 }
-"""make_tiny_model arguments of the tests' Llama and Mistral models: ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
+"""make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
+``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
 
 
 def _classes(architecture: str):
@@ -139,6 +169,8 @@ def make_tiny_model(
     seed: int = 0,
     init_std: float = 0.15,
     weights_dtype: str = "float32",
+    expert_layout: str = "per_expert",
+    weights: bool = True,
     **config_overrides,
 ) -> Path:
     """Write a tiny random model directory at ``path`` and return its path.
@@ -146,10 +178,18 @@ def make_tiny_model(
     ``architecture``: one of ``TINY_ARCHITECTURES``; ``config_overrides`` go to its transformers config
     class (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off
     unless given. ``init_std`` is larger than a real model's so that next-token distributions are peaked
-    and greedy choices are not near-ties. The same architecture, shape and seed give the same weights.
+    and greedy choices are not near-ties; every parameter is drawn, the MoE routers and the norms too
+    (norms near 1). The same architecture, shape and seed give the same weights.
     ``weights_dtype`` ("bfloat16"): the model is built and saved in it, never whole in float32 (an 8B
     shape then takes 16 GB of memory and of disk, not 32).
+    ``expert_layout``: how an MoE model's experts are saved, ``per_expert`` (the published checkpoints'
+    ``experts.N.gate_proj.weight``, what transformers' save_pretrained writes by default) or ``stacked``
+    (``experts.gate_up_proj``, save_pretrained(save_original_format=False)).
+    ``weights=False``: only config.json and the tokenizer (for ``load_format="dummy"``: any shape, no model
+    built).
     """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
     config_cls, model_cls = _classes(architecture)
     path = Path(path)
     tokenizer = build_tokenizer()
@@ -171,8 +211,16 @@ def make_tiny_model(
         kwargs["head_dim"] = 16
     elif architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = None
+    kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
+    if not weights:
+        config.architectures = [architecture]
+        config.dtype = weights_dtype
+        path.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return path
     dtype, default = getattr(torch, weights_dtype), torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the parameters are made in it
     try:
@@ -187,7 +235,8 @@ def make_tiny_model(
             else:
                 param.copy_(init_std * torch.randn(param.shape, generator=gen))
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    stacked = {"save_original_format": False} if expert_layout == "stacked" else {}
+    model.save_pretrained(path, safe_serialization=True, **stacked)
     tokenizer.save_pretrained(path)
     gen_cfg = path / "generation_config.json"
     if gen_cfg.exists():  # keep the EOS but drop sampling defaults that would make HF generate sample
