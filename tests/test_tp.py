@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU (gloo): the split and its errors, the collectives, the step mirror, and whole
-engines at tp=2 and tp=4 against tp=1, token for token (float32, greedy), through LLM.generate,
+"""Tensor parallelism on CPU (gloo): the split and its errors, the collectives, the step mirror, the
+mixture-of-experts models' shards (every rank holds every expert's slice, one all-reduce per MoE layer), and
+whole engines at tp=2 and tp=4 against tp=1, token for token (float32, greedy), through LLM.generate,
 ``nanostream serve --tensor-parallel-size 2`` and a two-"host" torchrun-style launch; a worker killed
 (SIGKILL) or stopped (SIGSTOP) is the engine's death, seen by every stream, and leaves no process behind.
 
@@ -41,6 +42,7 @@ from nanostream.engine.step_inputs import pack_step
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.layers.moe import MoESpec
 from nanostream.models import decoder_spec, load_model
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
@@ -100,6 +102,8 @@ def test_kv_heads_are_replicated_on_the_ranks_whose_query_heads_read_them(qwen3_
         ({"num_heads": 12, "num_kv_heads": 4}, 6, r"it is not a multiple of num_key_value_heads \(4\)"),
         ({"intermediate_size": 130}, 4, r"intermediate_size \(130\) is not divisible by it"),
         ({"vocab_size": 515}, 2, r"vocab_size \(515\) is not divisible by it"),
+        ({"moe": MoESpec(8, 2, 33, True, False, (0, 1))}, 2, r"the experts' intermediate size \(33\) is not divisible"),
+        ({"moe": MoESpec(8, 2, 32, True, False, (1,), 50)}, 4, r"shared_expert_intermediate_size \(50\) is not"),
     ],
 )
 def test_a_split_that_cannot_be_made_names_the_numbers(qwen3_dir, changes, size, message):
@@ -196,6 +200,48 @@ def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(qwe
     assert torch.equal(out[0][1].argmax(-1), expected.argmax(-1))
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_ranks_hold_every_experts_slice_and_reduce_once_per_layer(name, tmp_path, monkeypatch):
+    path = make_tiny_model(tmp_path, **TINY_PRESETS[name])
+    spec = spec_of(path)
+    reduces = threading.local()
+    plain = TensorParallel.all_reduce
+
+    def counted(self, x):
+        reduces.n = getattr(reduces, "n", 0) + 1
+        return plain(self, x)
+
+    monkeypatch.setattr(TensorParallel, "all_reduce", counted)
+
+    def forward(tp: TensorParallel):
+        model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp)
+        kv = allocate_kv_pool(spec, 16, 8, torch.float32, CPU, model.shard.num_kv_heads)
+        chunks = []
+        for i, (cached, new) in enumerate([(0, 30), (8, 1), (0, 3)]):
+            seq = Sequence(f"s{i}", list(range(3 + i, 3 + i + cached + new)), SamplingParams(), max_tokens=1,
+                           sampling_seed=0, stop_token_ids=frozenset())  # fmt: skip
+            seq.block_table = list(range(4 * i, 4 * i + 4))
+            chunks.append(WarmupChunk(seq, cached, new))
+        inputs = pack_step(chunks, 8, CPU)
+        reduces.n = 0
+        with torch.inference_mode():
+            hidden = model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv))
+            logits = model.compute_logits(hidden[inputs.sample_rows])
+        return model, logits, reduces.n
+
+    _, expected, none = forward(SINGLE)
+    assert none == 0
+    out = in_threads(2, forward)
+    moe, layer = spec.moe, spec.moe.layers[0]
+    for model, _, count in out.values():
+        experts = model.model.layers[layer].mlp.experts
+        assert experts.w13.shape == (moe.num_experts, moe.intermediate_size, spec.hidden_size)  # 2 x I/2 rows
+        assert experts.w2.shape == (moe.num_experts, spec.hidden_size, moe.intermediate_size // 2)
+        assert count == 1 + 2 * spec.num_layers  # the embedding, then o_proj and the MLP (dense or MoE) per layer
+    torch.testing.assert_close(out[0][1], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0][1].argmax(-1), expected.argmax(-1))
+
+
 # ---- the step mirror -------------------------------------------------------------------------------
 
 
@@ -267,7 +313,8 @@ def test_workers_pack_every_step_as_rank_0_does_through_preemption_prefix_hits_a
 
 @pytest.fixture(scope="module")
 def preset_dirs(tmp_path_factory):
-    return {name: make_tiny_model(tmp_path_factory.mktemp(name), **TINY_PRESETS[name]) for name in ("llama", "mistral")}
+    names = ("llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+    return {name: make_tiny_model(tmp_path_factory.mktemp(name), **TINY_PRESETS[name]) for name in names}
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +333,18 @@ def reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "size"), [("qwen3", 2), ("qwen3", 4), ("qwen2", 2), ("qwen2", 4), ("llama", 2), ("mistral", 2)]
+    ("model", "size"),
+    [
+        ("qwen3", 2),
+        ("qwen3", 4),
+        ("qwen2", 2),
+        ("qwen2", 4),
+        ("llama", 2),
+        ("mistral", 2),
+        ("qwen3_moe", 2),
+        ("qwen2_moe", 2),
+        ("mixtral", 2),
+    ],
 )
 def test_generate_is_token_identical_to_one_rank(model, size, request, preset_dirs, reference):
     path = preset_dirs.get(model) or request.getfixturevalue(f"{model}_dir")
