@@ -1,7 +1,8 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): greedy output
 token-identical to transformers for prompts of 1 to 700 tokens through prefix-cache hits and chunked
 prefill, what the declarations read and refuse, the two expert layouts of a checkpoint, and random
-weights from a directory holding only a config and a tokenizer (``load_format="dummy"``).
+weights from a directory holding only a config and a tokenizer (``load_format="dummy"``); and (slow) the
+same greedy streams through ``nanostream serve`` and ``AsyncClient``.
 
 test_hf_parity.py runs its shared workloads (mixed batches, chunks, preemption, prefill logits) on these
 models too; test_tp.py splits them over ranks; test_fused_moe.py checks the kernel.
@@ -9,13 +10,15 @@ models too; test_tp.py splits them over ranks; test_fused_moe.py checks the kern
 
 import json
 
+import anyio
 import pytest
 import torch
+from helpers import engine_processes, run_in_thread
 from safetensors.torch import load_file, save_file
-from test_hf_parity import assert_matches_hf, greedy, random_prompts
+from test_hf_parity import assert_matches_hf, greedy, hf_greedy, random_prompts
 from transformers import AutoConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from nanostream import LLM, ModelLoadError, SamplingParams
+from nanostream import LLM, AsyncClient, ModelLoadError, SamplingParams
 from nanostream.distributed.group import TensorParallel
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
 from nanostream.engine.sequence import Sequence
@@ -190,3 +193,31 @@ def test_the_moe_block_runs_the_kernel_its_layer_kernels_name(moe_dirs):
         model.model.layers[0].mlp(torch.randn(5, spec.hidden_size))
     assert calls == [(5, 2)]
     assert json.loads((moe_dirs["qwen2_moe"] / "config.json").read_text())["mlp_only_layers"] == [1]
+
+
+@pytest.mark.slow
+def test_nanostream_serve_streams_each_moe_model_as_transformers_generates(moe_dirs, hf_model_cache):
+    # One engine process per family (`nanostream serve`, started together), every prompt streamed at once
+    # through one AsyncClient each; chunks small enough that the 300-token prompt is prefilled in pieces.
+    prompts = random_prompts([1, 300, 12], seed=23)
+    params = greedy(12)
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=16, max_num_batched_tokens=128, max_num_seqs=8)
+
+    async def stream_all(address: str) -> list[list[int]]:
+        async with AsyncClient(address) as client:
+            outputs: list[list[int]] = [[] for _ in prompts]
+
+            async def one(i: int) -> None:
+                async for chunk in client.stream(prompts[i], params):
+                    outputs[i] += chunk.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+        return outputs
+
+    for name in MOE:
+        with engine_processes(str(moe_dirs[name]), {name: options}) as engines:
+            streamed = run_in_thread(stream_all, engines[name].address)
+        hf = hf_model_cache(moe_dirs[name])
+        assert streamed == [hf_greedy(hf, p, params.max_tokens) for p in prompts], name
