@@ -56,6 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given ({args.model} and --model {args.model_option}): give one")
         args.model = args.model_option
     server_kwargs = config_kwargs(args, ServerConfig)
+    if args.openai_workers is not None and args.openai_port is None:
+        raise ValueError("--openai-workers sets the OpenAI API's workers: give --openai-port too")
     if args.openai_port is not None or args.gradio_port is not None:
         from nanostream.service import run_service
 
@@ -121,6 +123,12 @@ def _exit_if_stuck(reason: str) -> None:
     timer = threading.Timer(STUCK_GRACE, check)
     timer.daemon = True  # the process ending on its own (the usual case) cancels it
     timer.start()
+
+
+def _workers(value: str) -> str:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a number of workers (1 or more) or auto, got {value!r}")
+    return value
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -193,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI API's reasoning parser (qwen3: <think> as reasoning_content)",
     )
     service.add_argument("--tool-call-parser", help="the OpenAI API's tool-call parser (default: hermes; none)")
+    service.add_argument(
+        "--openai-workers",
+        type=_workers,
+        metavar="N|auto",
+        help="the OpenAI API's server processes on its one port (default auto: one per 32 of --max-num-seqs, "
+        "since a worker streams about 5,000 events/s; at most half this machine's cores, at least 1)",
+    )
     add_config_args(serve, ServerConfig, "server options (NANOSTREAM_ADDRESS / NANOSTREAM_AUTH_TOKEN as defaults)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import time
 
 from nanostream.client.launch import EngineProcess
+from nanostream.config import EngineConfig
 
 _POLL_S = 0.2
 
@@ -27,6 +29,22 @@ def _loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+STREAMS_PER_WORKER = 32
+"""What one OpenAI server process keeps up with: it streams about 5,000 events a second (measured on an
+H200 host, BENCHMARKS.md), 32 streams at the ~6 ms decode step of a small model at full batch."""
+
+
+def openai_workers(value: str | None, options: dict) -> int:
+    """``--openai-workers``: a number, or ``auto``: one worker per ``STREAMS_PER_WORKER`` of the engine's
+    max_num_seqs, at least 1 and at most half of this machine's cores (the engine's loop and the
+    HTTP clients need the rest)."""
+    if value not in (None, "auto"):
+        return int(value)
+    max_num_seqs = options.get("max_num_seqs") or EngineConfig.max_num_seqs
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(math.ceil(max_num_seqs / STREAMS_PER_WORKER), cores // 2))
 
 
 def run_service(args: argparse.Namespace, model: str | None, options: dict) -> int:
@@ -56,13 +74,17 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
             if port is None:
                 continue
             cmd = [sys.executable, "-m", "nanostream", "frontend", name, "--host", args.host, "--port", str(port)]
+            workers = openai_workers(args.openai_workers, options) if name == "openai" else 1
+            if name == "openai":
+                cmd += ["--workers", str(workers)]
             if name == "openai" and args.api_key:
                 cmd += ["--api-key", args.api_key]
             for option in ("reasoning_parser", "tool_call_parser"):  # checked by the frontend's own parser
                 if name == "openai" and getattr(args, option, None):
                     cmd += ["--" + option.replace("_", "-"), getattr(args, option)]
             children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
-            print(f"nanostream: {what} at http://{args.host}:{port}{path}", flush=True)
+            processes = f" ({workers} server processes)" if workers > 1 else ""
+            print(f"nanostream: {what} at http://{args.host}:{port}{path}{processes}", flush=True)
         while not stopping:
             if engine.proc.poll() is not None:
                 return _ended("the engine", engine.proc.returncode)

@@ -111,11 +111,15 @@ def test_terminal_chat_streams_replies_with_the_history(engine, llm):
     assert f"> {first}\n> {second}\n> " in out.stdout
 
 
-def test_terminal_chat_says_when_the_engine_is_not_there(tmp_path):
+def test_terminal_chat_waits_for_its_engine_then_says_it_is_not_there(tmp_path):
     address = f"ipc://{tmp_path}/nobody.sock"
-    out = nanostream("chat", "--engine", address, stdin="hi\n", timeout=60)
+    out = nanostream("chat", "--engine", address, "--engine-wait", "1", stdin="hi\n", timeout=60)
     assert out.returncode == 1  # a runtime failure (2: a mistake in the command)
-    assert f"no engine answered at {address}" in out.stderr and "nanostream serve" in out.stderr
+    assert out.stderr.splitlines() == [
+        f"nanostream chat: waiting up to 1 s for the engine at {address}",
+        f"nanostream: no engine answers at {address} within 1 s (--engine-wait): start one with `nanostream serve`, "
+        "or pass its --engine ADDR",
+    ]
 
 
 def test_demo_runs_to_completion_and_exits_zero(qwen3_dir):

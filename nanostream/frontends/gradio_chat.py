@@ -29,13 +29,15 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import gradio as gr
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
 from nanostream.client.stream import Stream
-from nanostream.discovery import discover, reachable
+from nanostream.discovery import discover
 from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
+from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -273,7 +275,8 @@ class GradioChat(Frontend):
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.epilog = (
             "While the engine is not answering, a banner on the page says so (checked when a page loads and every "
-            f"{STATUS_EVERY:g} s), and so does the console, once, at start; the chat connects when the engine answers."
+            f"{STATUS_EVERY:g} s); the chat connects when the engine answers. At start the console says once what it "
+            "waits for, and the command exits if no engine answers within --engine-wait."
         )
         parser.add_argument("--host", help="interface to serve on (default: $GRADIO_SERVER_NAME or 127.0.0.1)")
         parser.add_argument(
@@ -282,12 +285,17 @@ class GradioChat(Frontend):
             help="port to serve on, which must be free (default: $GRADIO_SERVER_PORT or the first free one from 7860)",
         )
         parser.add_argument("--title", default=DEFAULT_TITLE, help="page title (default: %(default)s)")
+        add_engine_wait_argument(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         host = args.host or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
         if args.port is not None:
             check_port(host, args.port)
-        address = engine_address(args.engine)
+        wait = EngineWait(args.engine, args.engine_wait, "nanostream frontend gradio")
+        try:
+            address = anyio.run(wait.find)
+        except KeyboardInterrupt:
+            return 130
         app = build_app(address, title=args.title)
         # Gradio's own start-up requests (httpx, at INFO): nothing a user of this command needs to read.
         for name in ("httpx", "gradio"):
@@ -298,8 +306,9 @@ class GradioChat(Frontend):
             raise ValueError(_port_taken(args.port)) from None
         print(f"nanostream gradio chat at {app.local_url} on the engine at {address} (Ctrl-C stops it)", flush=True)
         try:
-            if not reachable(address):  # said once here; each page shows it until the engine answers
-                print(f"nanostream frontend gradio: {_engine_down(address, None)}", file=sys.stderr, flush=True)
+            if not anyio.run(wait.until_reachable, address):  # meanwhile each page's banner says what to start
+                print(f"nanostream frontend gradio: {wait.no_engine(address)}", file=sys.stderr, flush=True)
+                return 1
             threading.Event().wait()  # until Ctrl-C
         except KeyboardInterrupt:
             return 130  # as a shell counts Ctrl-C

@@ -22,9 +22,9 @@ import anyio.abc
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from nanostream.client import AsyncClient
-from nanostream.discovery import reachable
 from nanostream.errors import ConnectionLostError, EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
+from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
 from nanostream.options import add_sampling_args, field_docs, sampling_params
 from nanostream.sampling_params import SamplingParams
 
@@ -122,15 +122,20 @@ class TerminalChat(Frontend):
         parser.formatter_class = argparse.RawDescriptionHelpFormatter
         parser.epilog = USAGE
         parser.add_argument("--system", metavar="TEXT", help="system prompt (default: none)")
+        add_engine_wait_argument(parser)
         add_chat_sampling_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         sampling = sampling_params(args)  # before connecting: a bad value is the first thing said
-        client = AsyncClient(args.engine)  # (not connected: this finds the address)
-        if not reachable(client.address):  # at once, rather than after the client's timeout
-            raise EngineDeadError(
-                f"no engine answered at {client.address}: start one with `nanostream serve`, or pass its --engine ADDR"
-            )
+        wait = EngineWait(args.engine, args.engine_wait, "nanostream chat")
+        try:
+            address = anyio.run(wait.find)
+            if not anyio.run(wait.until_reachable, address):  # said now, rather than after the client's timeout
+                raise EngineDeadError(wait.no_engine(address))
+        except KeyboardInterrupt:  # while waiting
+            print(file=sys.stderr)
+            return 130
+        client = AsyncClient(address)
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         try:
             with (

@@ -24,8 +24,9 @@ cancels the handler; that closes the nanostream ``Stream``, which aborts the req
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a request that
 can never run (the message says what to change), 401 for a wrong API key, 404 for an unknown model,
-503 when the engine cannot be reached. An error after a stream started is sent as an SSE event
-``data: {"error": ...}``, then ``data: [DONE]``.
+503 when the engine cannot be reached, and while the server waits for it at start
+(``--engine-wait``, frontends/engine_wait.py). An error after a stream started is sent as an SSE
+event ``data: {"error": ...}``, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+
+import anyio
 
 from nanostream.client.reasoning import REASONING_PARSERS
 from nanostream.frontends import Frontend
+from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
 from nanostream.frontends.openai_server.app import create_app
 from nanostream.frontends.openai_server.tool_parsers import TOOL_PARSERS
 
@@ -44,15 +49,19 @@ __all__ = ["OpenAIServer", "create_app"]
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "NANOSTREAM_API_KEY"
+PROG = "nanostream frontend openai"
 
 
-def app_options(args: argparse.Namespace) -> dict:
-    """create_app's keyword arguments from the command line (one server process, or each worker)."""
+def app_options(args: argparse.Namespace, worker: bool = False) -> dict:
+    """create_app's keyword arguments from the command line (one server process, or a worker of
+    several: they wait for the engine until the same moment, and the parent says what for)."""
+    wait = EngineWait(args.engine, args.engine_wait, PROG, announce=not worker, start=args.started)
     return dict(
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        engine_wait=wait,
     )
 
 
@@ -80,6 +89,7 @@ class OpenAIServer(Frontend):
             help="server processes on the one port, each with its own engine connection: one serves about "
             "5,000 streamed events/s; use several for hundreds of concurrent streams (default %(default)s)",
         )
+        add_engine_wait_argument(parser)
         parser.add_argument(
             "--reasoning-parser",
             choices=sorted(REASONING_PARSERS),
@@ -95,27 +105,38 @@ class OpenAIServer(Frontend):
     def run(self, args: argparse.Namespace) -> int:
         import uvicorn
 
-        if args.workers < 1:
-            print("nanostream frontend openai: --workers must be at least 1", file=sys.stderr)
-            return 2
-        try:
-            app = create_app(args.engine, **app_options(args))
-        except ValueError as exc:
-            print(f"nanostream frontend openai: {exc}", file=sys.stderr)
-            return 2
-        from nanostream.discovery import reachable
         from nanostream.frontends.openai_server.workers import listen, serve_workers
 
-        address = app.state.server.client.address
-        if not reachable(address):
-            print(f"nanostream frontend openai: no engine answers at {address}: start one with `nanostream serve`, "
-                  "or pass its --engine ADDR", file=sys.stderr)  # fmt: skip
-            return 1
+        if args.workers < 1:
+            print(f"{PROG}: --workers must be at least 1", file=sys.stderr)
+            return 2
+        args.started = time.monotonic()  # the engine wait's start, for every worker
+        try:
+            app = create_app(args.engine, **app_options(args))  # (checks the options; a worker makes its own)
+        except ValueError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+        if args.engine_wait == 0:  # fail at once: one line, before anything is served
+            wait = app_options(args)["engine_wait"]
+            try:
+                address = anyio.run(wait.find)
+            except ValueError as exc:  # no local engine, or several: pass --engine
+                print(f"{PROG}: {exc}", file=sys.stderr)
+                return 2
+            if not anyio.run(wait.until_reachable, address):
+                print(f"{PROG}: {wait.no_engine(address)}", file=sys.stderr)
+                return 1
         sock = listen(args.host, args.port)
         if sock is None:
             return 2
         if args.workers > 1:
+            app_options(args)["engine_wait"].announce_if_absent()  # for every worker (they say nothing)
             return serve_workers(args, sock)
         server = uvicorn.Server(uvicorn.Config(app))
-        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM
+        state = app.state.server
+        state.on_give_up = lambda: setattr(server, "should_exit", True)
+        server.run(sockets=[sock])  # until Ctrl-C or SIGTERM, or until the engine wait gives up
+        if state.gave_up is not None:
+            print(f"{PROG}: {state.gave_up}", file=sys.stderr)
+            return 1
         return 0 if server.started else 1

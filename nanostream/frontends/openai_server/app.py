@@ -23,7 +23,8 @@ from nanostream.client import AsyncClient
 from nanostream.client.chat_template import check_template_kwargs
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
-from nanostream.errors import InvalidRequestError, NanostreamError
+from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
+from nanostream.frontends.engine_wait import EngineWait
 from nanostream.frontends.openai_server.chat_protocol import ChatRequest
 from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.metrics import Metrics
@@ -96,20 +97,82 @@ class _Server(Tokenization):
     reasoning_parser: str | None = None
     tool_parser: type[ToolParser] | None = None
 
-    def __init__(self, client: AsyncClient, api_key: str | None, served_model_name: str | None) -> None:
-        self.client = client
+    def __init__(
+        self,
+        client: Callable[[str | None], AsyncClient],
+        api_key: str | None,
+        served_model_name: str | None,
+        engine_wait: EngineWait | None,
+    ) -> None:
+        self._new_client = client
+        self.client: AsyncClient | None = None if engine_wait is not None else client(None)
         self.api_key = api_key
         self.served_model_name = served_model_name
         self.metrics = Metrics()
         self.tokens: TokenText | None = None
         self.started = int(time.time())
+        self.engine_wait = engine_wait
+        self.connected = False  # True once the client is connected (from then on it reconnects on its own)
+        self.gave_up: str | None = None  # why the engine wait ended without an engine (the one-line error)
+        self.on_give_up: Callable[[], None] = lambda: log.error("%s", self.gave_up)  # the frontend stops its server
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        async with self.client:
-            self.served_model_name = self.served_model_name or Path(self.client.model).name or self.client.model
-            self.tokens = TokenText(self.client.tokenizer)
+        if self.engine_wait is None:  # connect now: without an engine the app does not start
+            async with self.client:
+                self._connected()
+                yield
+            return
+        # Serve at once (/health answers 503) and connect once an engine answers, within the wait.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._wait_and_connect, self.engine_wait)
             yield
+            tg.cancel_scope.cancel()  # still waiting: stop; connected: close the client
+
+    def _connected(self) -> None:
+        self.served_model_name = self.served_model_name or Path(self.client.model).name or self.client.model
+        self.tokens = TokenText(self.client.tokenizer)
+        self.connected = True
+
+    async def _wait_and_connect(self, wait: EngineWait) -> None:
+        """Find the engine, wait for it to listen, connect: all within ``wait``; then hold the client
+        open until the lifespan cancels this at shutdown. A failure is ``gave_up``, not raised (this
+        task runs beside the lifespan, and an AsyncClient is closed by the task that connected it)."""
+        try:
+            address = await wait.find()
+            while True:
+                if not await wait.until_reachable(address):
+                    raise EngineDeadError(wait.no_engine(address))
+                client = self._new_client(address)
+                try:
+                    await client.connect()
+                    break
+                except EngineDeadError:  # listening, but the hello went unanswered: try again within the wait
+                    if wait.left() <= 0:
+                        raise
+            try:
+                self.client = client
+                self._connected()
+                await anyio.sleep_forever()
+            finally:  # (in the cancel scope it connected in, as an AsyncClient's task group needs)
+                await client.close()
+        except Exception as exc:
+            self.gave_up = str(exc)
+            self.on_give_up()
+
+    def check_engine(self) -> None:
+        """503 while the server waits for its engine at start (a dependency of every route that needs it)."""
+        if self.connected:
+            return
+        wait = self.engine_wait
+        where = f"the engine at {wait.engine}" if wait is not None and wait.engine else "a local engine"
+        within = f" (up to {wait.seconds:g} s from its start)" if wait is not None else ""
+        raise APIError(
+            503,
+            f"this server is waiting for {where} to answer{within}; retry shortly",
+            type="service_unavailable",
+            code="engine_unavailable",
+        )
 
     async def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -243,6 +306,7 @@ class _Server(Tokenization):
             yield _sse("[DONE]")
 
     async def health(self) -> dict[str, Any]:
+        self.check_engine()
         stats = await self.client.stats()  # raises when the engine does not answer: 503
         self.metrics.engine_stats(stats)
         return {
@@ -255,8 +319,9 @@ class _Server(Tokenization):
 
     async def prometheus(self) -> Response:
         try:
+            self.check_engine()
             self.metrics.engine_stats(await self.client.stats())
-        except (NanostreamError, TimeoutError):
+        except (APIError, NanostreamError, TimeoutError):
             self.metrics.engine_stats(None)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -272,11 +337,15 @@ def create_app(
     served_model_name: str | None = None,
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = "hermes",
+    engine_wait: EngineWait | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app; its lifespan connects one AsyncClient and closes it at shutdown.
 
-    ``client`` is the engine's address (None: ``NANOSTREAM_ADDRESS``) or a function that returns an
-    unconnected AsyncClient (to choose its timeout, say). With ``api_key`` every ``/v1`` request
+    ``client`` is the engine's address (None: ``NANOSTREAM_ADDRESS``, else the one local engine) or a
+    function that returns an unconnected AsyncClient (to choose its timeout, say). Without an engine
+    the app does not start, unless ``engine_wait`` (frontends/engine_wait.py) is given: then it serves
+    at once, answering 503 until it has connected, and gives up when the wait is over (its
+    ``state.server.gave_up`` says why). With ``api_key`` every ``/v1`` request
     needs ``Authorization: Bearer KEY``. ``served_model_name`` is the model name that requests give
     and ``/v1/models`` lists (default: the name of the engine's model directory).
     ``reasoning_parser`` ("qwen3") returns a reply's ``<think>`` part as ``reasoning_content``;
@@ -287,7 +356,14 @@ def create_app(
     if reasoning_parser is not None:
         get_reasoning_parser(reasoning_parser)  # ValueError naming the known ones
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
-    server = _Server(client() if callable(client) else AsyncClient(client), api_key, served_model_name)
+    if callable(client):
+        factory = client
+        new_client: Callable[[str | None], AsyncClient] = lambda address: factory()
+        if engine_wait is not None and engine_wait.engine is None:
+            engine_wait.engine = factory().address  # (a client that never connects: its address)
+    else:
+        new_client = lambda address: AsyncClient(address or client)
+    server = _Server(new_client, api_key, served_model_name, engine_wait)
     server.reasoning_parser, server.tool_parser = reasoning_parser, parser
     app = FastAPI(title="nanostream OpenAI-compatible API", lifespan=server.lifespan)
     app.state.server = server
@@ -299,7 +375,7 @@ def create_app(
     for kind in (APIError, RequestValidationError, HTTPException, NanostreamError, TimeoutError, Exception):
         app.add_exception_handler(kind, error)
 
-    v1 = {"dependencies": [Depends(server.check_key)]}
+    v1 = {"dependencies": [Depends(server.check_key), Depends(server.check_engine)]}
     app.get("/v1/models", **v1)(server.models)
     app.get("/v1/models/{model:path}", **v1)(server.model)
     app.post("/v1/completions", **v1)(server.completions)

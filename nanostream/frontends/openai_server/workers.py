@@ -17,6 +17,9 @@ import socket
 import sys
 import time
 
+NO_ENGINE = 3
+"""A worker's exit code when it never served: no engine answered within ``--engine-wait``."""
+
 
 def listen(host: str, port: int) -> socket.socket | None:
     """The server's listening socket; None, after one line that says what to change, if it cannot be had."""
@@ -36,20 +39,28 @@ def listen(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def _worker(sock: socket.socket, args: argparse.Namespace) -> None:
+def _worker(sock: socket.socket, args: argparse.Namespace, gave_up: mp.SimpleQueue) -> None:
     import uvicorn
 
     from nanostream.frontends.openai_server import app_options, create_app
 
-    app = create_app(args.engine, **app_options(args))
+    app = create_app(args.engine, **app_options(args, worker=True))
     server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
+    state = app.state.server
+    state.on_give_up = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
-    sys.exit(0 if server.started else 3)  # 3: it never served (no engine answered), as uvicorn.run exits
+    if state.gave_up is not None:  # the parent says it, once for every worker
+        gave_up.put(state.gave_up)
+        sys.exit(NO_ENGINE)
+    sys.exit(0 if server.started else NO_ENGINE)  # it never served (no engine answered), as uvicorn.run exits
 
 
 def serve_workers(args: argparse.Namespace, sock: socket.socket) -> int:
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_worker, args=(sock, args), name=f"openai-worker-{i}") for i in range(args.workers)]
+    gave_up = ctx.SimpleQueue()
+    workers = [
+        ctx.Process(target=_worker, args=(sock, args, gave_up), name=f"openai-worker-{i}") for i in range(args.workers)
+    ]
     stopping = False
 
     def stop(*_: object) -> None:
@@ -75,6 +86,9 @@ def serve_workers(args: argparse.Namespace, sock: socket.socket) -> int:
             if w.is_alive():
                 w.kill()
         sock.close()
+    if dead and not stopping and not gave_up.empty():  # no engine came within --engine-wait
+        print(f"nanostream frontend openai: {gave_up.get()}", file=sys.stderr)
+        return 1
     if dead and not stopping:
         codes = ", ".join(f"{w.name} exited with code {w.exitcode}" for w in dead)
         print(f"nanostream frontend openai: {codes}; stopped the other workers", file=sys.stderr)
