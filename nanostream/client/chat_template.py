@@ -58,6 +58,7 @@ def render_chat(
     *,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     require_template: bool = False,
     add_special_tokens: bool = False,
@@ -66,22 +67,42 @@ def render_chat(
 
     A tokenizer without a template renders a plain "role: content" transcript ending in "assistant:"
     (``require_template``: raises ``ValueError`` instead). A template that refuses the messages raises
-    ``InvalidRequestError`` with its reason. ``add_special_tokens``: also those the tokenizer adds
-    to any text (a BOS); templates write their own, so off by default.
+    ``InvalidRequestError`` with its reason. ``continue_final_message``: the final message is left open
+    (no end-of-turn after its content), so the model continues it, a prefilled reply say; it excludes
+    ``add_generation_prompt``. ``add_special_tokens``: also those the tokenizer adds to any text (a BOS);
+    templates write their own, so off by default.
     """
     kwargs = check_template_kwargs(chat_template_kwargs)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message cannot be combined with add_generation_prompt (which starts a new message after "
+            "the final one, and is true by default): set add_generation_prompt to false"
+        )
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"the model's chat template refused these messages: {exc}") from None
+        except ValueError:  # transformers: the template does not render the final message's content as given
+            if not continue_final_message:
+                raise
+            raise InvalidRequestError(
+                "continue_final_message cannot leave the final message open: the model's chat template does not "
+                "render its content as given; send the messages without continue_final_message"
+            ) from None
     elif require_template:
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     elif tools:
         raise InvalidRequestError("this model has no chat template to show it tools; leave tools out")
     else:
         text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+        text = text.removesuffix("\n") if continue_final_message else text
         text += "assistant:" if add_generation_prompt else ""
     return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
