@@ -83,7 +83,7 @@ def chat_logprobs(tokens: TokenText, ids: list[int], logprobs: list[dict[int, fl
     for token_id, ranked in zip(ids, map(_ranked, logprobs)):
         own = dict(ranked)[token_id]
         content.append({**entry(token_id, own), "top_logprobs": [entry(t, lp) for t, lp in ranked[:top]]})
-    return {"content": content}
+    return {"content": content, "refusal": None}
 
 
 def completion_logprobs(

@@ -35,8 +35,23 @@ class ReplyOptions:
     top_logprobs: int | None = None  # None: no logprobs asked for
     tool_parser: type[ToolParser] | None = None  # parse tool calls out of chat replies
     reasoning: bool = False  # chunks carry reasoning_content (a reasoning parser runs)
-    echo: list[str] | None = None  # completions: each prompt's text, put before its choices' text
+    # Each prompt's text, put before its choices' text: completions' echo; chat's (one prompt) is the final
+    # message's content, streamed as its own event after the role's (as vLLM does).
+    echo: list[str] | None = None
     prompt_logprobs: bool = False  # report the prompt logprobs the chunks carry
+    role: str = "assistant"  # of a chat reply
+    continuous_usage: bool = False  # every streamed event carries its choice's usage so far
+
+
+# The fields of OpenAI's response objects (the openai package's models) that this server never fills: sent
+# as null, as OpenAI does, so that a client reading one finds it (tests/test_openai_api.py checks them all).
+_COMPLETION_NULLS = {"system_fingerprint": None}
+_CHAT_NULLS = {"system_fingerprint": None, "service_tier": None, "moderation": None}
+_WHOLE_CHAT_NULLS = {**_CHAT_NULLS, "metadata": None}
+_CHUNK_NULLS = {**_CHAT_NULLS, "obfuscation": None}
+_MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+_DELTA_NULLS = {"role": None, "refusal": None, "audio": None, "function_call": None}
+_PROMPT_DETAILS_NULLS = {"audio_tokens": None, "cache_write_tokens": None, "image_tokens": None, "text_tokens": None}
 
 
 @dataclass
@@ -46,15 +61,19 @@ class _Choice:
     offsets: TextOffsets = field(default_factory=TextOffsets)  # completions' logprobs
     started: bool = False  # its first event went out
     calls: int = 0  # tool calls started
+    tokens: int = 0  # generated so far
     usage: Usage | None = None
 
 
-def _usage_json(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def _usage_json(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """OpenAI's usage; ``cached`` None: not known yet (a streamed event's usage so far)."""
+    details = None if cached is None else {"cached_tokens": cached, **_PROMPT_DETAILS_NULLS}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
+        "completion_tokens_details": None,
     }
 
 
@@ -64,6 +83,17 @@ class Reply:
         self.created = int(time.time())
         self.choices: dict[int, _Choice] = {}
         self.prompt_lps: dict[int, list] = {}  # per prompt, from its first sample's first chunk
+        # The objects' fields in order, choices and usage to fill in: an event copies its dict, cheaper than
+        # building one (events are the hot path: a chat event, nulls and all, builds in less than before them).
+        chat = options.chat
+        self._chunk = self._head("chat.completion.chunk" if chat else "text_completion", _CHUNK_NULLS)
+        self._whole = self._head("chat.completion" if chat else "text_completion", _WHOLE_CHAT_NULLS)
+
+    def _head(self, kind: str, chat_nulls: dict[str, None]) -> dict[str, Any]:
+        chat = self.o.chat
+        out = {"id": ("chatcmpl-" if chat else "cmpl-") + self.o.request_id, "object": kind, "created": self.created}
+        out.update(model=self.o.model, choices=[], usage=None)
+        return {**out, **(chat_nulls if chat else _COMPLETION_NULLS)}
 
     def _choice(self, index: int) -> _Choice:
         if index not in self.choices:
@@ -80,37 +110,38 @@ class Reply:
             by_index.setdefault(chunk.index, []).append(chunk)
         key = "message" if self.o.chat else "text"
         choices = [self._render(self._merged(by_index[i]), key) for i in sorted(by_index)]
-        return self._object(choices, usage=True)
+        return self._object(choices, usage=self._usage())
 
     def role_events(self) -> list[dict[str, Any]]:
-        """Chat streams start each choice with its role."""
-        return [
-            self._object(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                streamed=True,
-            )
-            for i in range(len(self.o.prompts) * self.o.n)
-        ]
+        """Chat streams start each choice with its role, then (echo) each with the echoed message."""
+        deltas = [{**_DELTA_NULLS, "role": self.o.role, "content": "", "tool_calls": None}]
+        if self.o.echo is not None:
+            deltas.append({**_DELTA_NULLS, "content": self.o.echo[0], "tool_calls": None})
+        events = []
+        for delta in deltas:
+            for i in range(len(self.o.prompts) * self.o.n):
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                events.append(self._object([choice], streamed=True, usage=self._usage_so_far(i)))
+        return events
 
     def event(self, chunk: StreamChunk) -> dict[str, Any] | None:
         """The streamed event of one chunk (None: it adds nothing a client would see)."""
         choice = self._render(chunk, "delta" if self.o.chat else "text")
         if choice is None:
             return None
-        return self._object([choice], streamed=True)
+        return self._object([choice], streamed=True, usage=self._usage_so_far(chunk.index))
 
     def usage_event(self) -> dict[str, Any]:
-        return self._object([], streamed=True, usage=True)
+        return self._object([], streamed=True, usage=self._usage())
 
-    def _object(self, choices: list[dict], *, streamed: bool = False, usage: bool = False) -> dict[str, Any]:
-        chat = self.o.chat
-        kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
-        out = {"id": ("chatcmpl-" if chat else "cmpl-") + self.o.request_id, "object": kind, "created": self.created}
-        out["model"], out["choices"] = self.o.model, choices
-        if usage:
-            out["usage"] = self._usage()
-        if chat and self.o.prompt_logprobs and not streamed and 0 in self.prompt_lps:
-            out["prompt_logprobs"] = prompt_logprobs_json(self.o.tokens, self.o.prompts[0], self.prompt_lps[0])
+    def _object(self, choices: list[dict], *, streamed: bool = False, usage: dict | None = None) -> dict[str, Any]:
+        out = (self._chunk if streamed else self._whole).copy()
+        out["choices"], out["usage"] = choices, usage
+        if self.o.chat and not streamed:  # vLLM's: the conversation's prompt logprobs
+            lps = self.prompt_lps.get(0) if self.o.prompt_logprobs else None
+            out["prompt_logprobs"] = (
+                None if lps is None else prompt_logprobs_json(self.o.tokens, self.o.prompts[0], lps)
+            )
         return out
 
     def _usage(self) -> dict[str, Any]:
@@ -118,6 +149,13 @@ class Reply:
         completion = sum(c.usage.completion_tokens for c in self.choices.values() if c.usage)
         cached = sum(c.usage.cached_tokens for c in self.choices.values() if c.usage and c.index % self.o.n == 0)
         return _usage_json(prompt, completion, cached)
+
+    def _usage_so_far(self, index: int) -> dict[str, Any] | None:
+        """vLLM's continuous usage: the choice's prompt and its tokens so far (None: not asked for)."""
+        if not self.o.continuous_usage:
+            return None
+        c = self.choices.get(index)
+        return _usage_json(len(self.o.prompts[index // self.o.n]), c.tokens if c else 0, None)
 
     # ---- one choice
 
@@ -137,11 +175,14 @@ class Reply:
             self.prompt_lps.setdefault(prompt, chunk.prompt_logprobs)
         if chunk.usage is not None:
             c.usage = chunk.usage
+        c.tokens += len(chunk.token_ids)
         first, c.started = not c.started, True
         final = chunk.finish_reason is not None
         finish = chunk.finish_reason
         if self.o.chat:
             body, visible = self._message(c, chunk, final, whole=key == "message")
+            if key == "message" and self.o.echo is not None:
+                body["content"] = self.o.echo[0] + (body["content"] or "")
             if c.calls and finish == "stop":
                 finish = "tool_calls"
             choice: dict[str, Any] = {"index": chunk.index, key: body, "logprobs": None}
@@ -162,7 +203,7 @@ class Reply:
                 lps = completion_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, c.offsets)
                 if echoed is not None:
                     lps = {k: echoed[k] + lps[k] for k in lps}
-            choice = {"index": chunk.index, "text": text, "logprobs": lps}
+            choice = {"index": chunk.index, "text": text, "logprobs": lps, "prompt_logprobs": None}
             if first and self.o.prompt_logprobs and prompt in self.prompt_lps:
                 choice["prompt_logprobs"] = prompt_logprobs_json(
                     self.o.tokens, self.o.prompts[prompt], self.prompt_lps[prompt]
@@ -172,25 +213,22 @@ class Reply:
 
     def _message(self, c: _Choice, chunk: StreamChunk, final: bool, whole: bool) -> tuple[dict[str, Any], bool]:
         """A chat choice's message (``whole``) or delta, and whether it shows anything."""
-        if c.parser is None and not self.o.reasoning:  # plain text: an event per chunk, as ever
-            return ({"role": "assistant", "content": chunk.text} if whole else {"content": chunk.text}), True
-        out: dict[str, Any] = {"role": "assistant"} if whole else {}
-        if self.o.reasoning and (chunk.reasoning_content or whole):
-            out["reasoning_content"] = chunk.reasoning_content or None
-        if c.parser is None:
-            out["content"] = chunk.text if (chunk.text or whole) else None
+        out: dict[str, Any] = {"role": self.o.role, **_MESSAGE_NULLS} if whole else _DELTA_NULLS.copy()
+        if c.parser is None:  # plain text (an event per chunk, as ever), or with reasoning beside it
+            plain = not self.o.reasoning
+            text, calls = chunk.text, None
+            out["content"] = text if (text or whole or plain) else None
         else:
+            plain = False
             events = c.parser.feed(chunk.text, final)
             text = "".join(e.text for e in events if isinstance(e, Content))
             calls = _call_deltas(events, whole)
             c.calls += sum(isinstance(e, CallStart) for e in events)
-            if text or whole:
-                out["content"] = text or None
-            if calls:
-                out["tool_calls"] = calls
-        if not whole and out.get("content") is None:
-            out.pop("content", None)
-        return out, bool(out)
+            out["content"] = text or None
+        out["tool_calls"] = calls or None
+        if self.o.reasoning and (chunk.reasoning_content or whole):
+            out["reasoning_content"] = chunk.reasoning_content or None
+        return out, plain or bool(text or calls or chunk.reasoning_content)
 
 
 def _call_deltas(events: list[Event], whole: bool) -> list[dict[str, Any]]:
@@ -202,6 +240,9 @@ def _call_deltas(events: list[Event], whole: bool) -> list[dict[str, Any]]:
             if not whole:
                 calls[e.index]["index"] = e.index
         elif isinstance(e, CallArguments):
-            entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+            # a later delta of the call: its type again (the openai client's stream helper takes a type of
+            # null for the call's), no id or name
+            new = {"index": e.index, "id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+            entry = calls.setdefault(e.index, new)
             entry["function"]["arguments"] += e.text
     return [calls[i] for i in sorted(calls)]
