@@ -5,6 +5,7 @@ Usage::
     python apps/bench.py                                       # tiny random model, the full workload
     python apps/bench.py --num-requests 32 --max-input-len 256 --min-output-len 32 --max-output-len 128 --hf
     python apps/bench.py --preset qwen3-0.6b                   # Qwen3-0.6B's shape, random weights (GPU)
+    python apps/bench.py --preset qwen3-30b-a3b                # Qwen3-30B-A3B's shape, load_format dummy (GPU)
     python apps/bench.py --model /models/Qwen3-0.6B --hf
 
 Workload (nano-vLLM's ``bench.py``): ``random.seed(seed)``; then, for each request, a prompt length in
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from presets import PRESETS, random_model
+from presets import PRESETS, engine_defaults, random_model
 from tables import format_table
 
 from nanostream import LLM, SamplingParams
@@ -427,8 +428,10 @@ def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line, less ``seed`` (``--seed`` is the workload's)."""
-    return {k: v for k, v in engine_args(args).items() if k != "seed"}
+    """The engine options given on the command line, less ``seed`` (``--seed`` is the workload's), over what
+    the preset needs (``load_format="dummy"`` for the shapes built without weights)."""
+    given = {k: v for k, v in engine_args(args).items() if k != "seed"}
+    return {**engine_defaults(getattr(args, "preset", None)), **given}
 
 
 def load_workload(
@@ -482,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_workload_args(parser, args)
     if args.hf_batch_size < 1:
         parser.error("--hf-batch-size must be positive")
+    if args.hf and engine_defaults(args.preset):
+        parser.error(f"--preset {args.preset} has no weights on disk (load_format dummy): --hf cannot load it")
     return args
 
 

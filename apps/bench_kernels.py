@@ -23,6 +23,9 @@ Sections (a failure in one prints its error and the next one runs; without CUDA 
   graphs; floor = (weight bytes + KV bytes read per step) / copy bandwidth.
 - prefill: one 8,192-token step (8 fresh prompts of 1,024) through ``ModelRunner.execute``;
   floor = (2 * matmul params * tokens + LM head + attention FLOPs) / matmul rate.
+- moe: one MoE layer's routed experts (Qwen3-30B-A3B's; Mixtral-8x7B's without --quick) at 1, 16, 64 and 256
+  tokens: the fused Triton kernel (its tile table's choice and a sweep of tiles) and the torch path, against
+  the floor (the experts the tokens touch, read once, at the copy bandwidth); apps/kernel_bench/moe.py.
 
 A CUDA error that poisons the process (an illegal address in a kernel under development) ends this
 process's work: what is left runs in a fresh child process, skipping the unit that crashed.
@@ -47,16 +50,18 @@ import torch
 from kernel_bench.attention import section_kernels
 from kernel_bench.ceilings import section_ceilings
 from kernel_bench.harness import ROOT, ContextLost, Skipped, cuda_alive, free_cuda, short
+from kernel_bench.moe import section_moe
 from kernel_bench.report import summary
 from kernel_bench.run import Run, environment
 from kernel_bench.steps import section_prefill, section_steps
 
-SECTIONS = ("ceilings", "kernels", "steps", "prefill")
+SECTIONS = ("ceilings", "kernels", "steps", "prefill", "moe")
 SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "ceilings": section_ceilings,
     "kernels": section_kernels,
     "steps": section_steps,
     "prefill": section_prefill,
+    "moe": section_moe,
 }
 
 

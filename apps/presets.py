@@ -3,6 +3,10 @@
     python apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random
     with random_model(QWEN3_0_6B, {}, "/tmp/qwen3-0.6b-random") as path: ...
 
+The mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B) are written as config.json and a tokenizer
+alone, and run with ``load_format="dummy"`` (``engine_defaults``): random weights made on the device, no
+60-90 GB file on disk.
+
 This module imports nothing of nanostream until a model is built, so that apps/bench_kernels.py's
 kernel sections can read the attention shape on a machine where nanostream does not import.
 """
@@ -18,6 +22,8 @@ from pathlib import Path
 
 QWEN3_0_6B = "qwen3-0.6b"
 QWEN3_8B = "qwen3-8b"
+QWEN3_30B_A3B = "qwen3-30b-a3b"
+MIXTRAL_8X7B = "mixtral-8x7b"
 
 # make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
 # model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
@@ -52,7 +58,55 @@ PRESETS: dict[str, dict] = {
         init_std=0.02,
         weights_dtype="bfloat16",
     ),
+    # Qwen3-30B-A3B's config.json: 128 experts of 768, 8 per token (renormalised), every layer MoE.
+    QWEN3_30B_A3B: dict(
+        architecture="Qwen3MoeForCausalLM",
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        weights_dtype="bfloat16",
+        weights=False,
+    ),
+    # Mixtral-8x7B-v0.1's config.json: 8 experts of 14336, 2 per token.
+    MIXTRAL_8X7B: dict(
+        architecture="MixtralForCausalLM",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        weights_dtype="bfloat16",
+        weights=False,
+    ),
 }
+
+
+def engine_defaults(preset: str | None) -> dict:
+    """Engine options a preset needs: ``load_format="dummy"`` where it is built without weights."""
+    return {"load_format": "dummy"} if PRESETS.get(preset, {}).get("weights", True) is False else {}
 
 
 def attention_shape(preset: str) -> tuple[int, int, int]:

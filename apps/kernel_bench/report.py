@@ -128,9 +128,38 @@ def summary(report: dict) -> str:
                 fmt(ms and floor and 100 * floor / ms, ".0f"),
             ])  # fmt: skip
         lines += ["", *format_table(rows)]
+    if report.get("moe"):
+        lines += ["", *moe_table(report["moe"])]
     for name, why in report["skipped"].items():
         lines.append(f"skipped {name}: {why}")
     if report["errors"]:
         lines += ["", "errors:"] + [f"  {uid}: {msg[:200]}" for uid, msg in report["errors"].items()]
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
+
+
+def moe_table(rows: list[dict]) -> list[str]:
+    """The "moe" section: per shape and token count, the fused kernel (the table's tile, the sweep's best) and
+    the torch path, each against the floor (experts' bytes at the copy bandwidth, or FLOPs at the matmul rate)."""
+    table = [["moe layer", "T", "floor µs", "fused µs", "%floor", "best tile µs", "best tile", "torch µs", "%floor",
+              "fused/torch", "err fused", "err torch"]]  # fmt: skip
+    for r in rows:
+        fused, torch_ = r["impls"].get("fused"), r["impls"].get("torch")
+        tiles = [
+            (best_us(v), k) for k, v in r["impls"].items() if k.startswith("fused[") and v.get("ok") and best_us(v)
+        ]
+        best_t, best = min(tiles) if tiles else (None, "-")
+        floor = r.get("floor_us")
+        f, t = best_us(fused), best_us(torch_)
+        table.append([
+            r["shape"], str(r["tokens"]), fmt(floor), fmt(f), fmt(floor and f and 100 * floor / f, ".0f"),
+            fmt(best_t), (best or "-").removeprefix("fused"), fmt(t), fmt(floor and t and 100 * floor / t, ".0f"),
+            fmt(f and t and t / f, ".2f", "x"), fmt_err(fused), fmt_err(torch_),
+        ])  # fmt: skip
+    return [*format_table(table), "(µs: per call in a graph replay, else eager; floor: the experts touched, read once)"]
+
+
+def best_tile(row: dict) -> tuple[float | None, str | None]:
+    """The fastest checked fused tile of a "moe" row (what to put in kernels/fused_moe.py's TILES): (µs, label)."""
+    timed = [(best_us(v), k) for k, v in row["impls"].items() if k.startswith("fused[") and v.get("ok") and best_us(v)]
+    return min(timed) if timed else (None, None)

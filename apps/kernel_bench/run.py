@@ -42,6 +42,7 @@ class Run:
             "attention": [],
             "steps": [],
             "prefill": [],
+            "moe": [],
             "errors": {},
             "skipped": {},
             "notes": [],
