@@ -78,7 +78,7 @@ from stream_clients import STARTUP_TIMEOUT, Target, Trace, client_process, param
 from tables import format_table
 
 from nanostream import LLM, AsyncClient
-from nanostream.client.launch import EngineProcess
+from nanostream.client.launch import READY, EngineProcess
 from nanostream.config import ServerConfig
 from nanostream.options import add_engine_args
 from nanostream.protocol import EngineStats
@@ -328,6 +328,35 @@ def run_shape(args, shape: tuple[int, int], rounds, warmup, engine: EngineProces
     return out
 
 
+def run_connections(args, fresh, warmup, engine, target: Target, fpids, workers: int) -> None:
+    """``--connections N``: N requests at once, each on an SSE connection of its own (the workload's
+    lengths, repeated, with fresh ids), from the first shape's processes. Prints whether every one
+    completed, the errors by kind, and whether the engine was idle after with every KV block free."""
+    processes = args.shapes[0][0]
+    copies = -(-args.connections // args.num_requests)
+    workload = [r for i in range(copies) for r in fresh(20_000 + i)][: args.connections]
+    (run,) = run_shape(
+        args, (processes, -(-args.connections // processes)), [workload], warmup, engine, target, fpids, workers
+    )
+    errors = [t.error for t in run.traces if t.error]
+    server_errors = [e for e in errors if e.startswith("HTTP 5")]
+    done = sum(1 for t in run.traces if not t.error and t.tokens == t.max_tokens)
+
+    async def stats():
+        async with AsyncClient(engine.address, timeout=60.0) as client:
+            return await client.stats()
+
+    after = asyncio.run(stats())
+    idle = after.running == 0 and after.waiting == 0 and after.free_kv_blocks == after.total_kv_blocks
+    print(
+        f"connections: {len(workload)} at once, {done} completed with every token, {len(errors)} errors "
+        f"({len(server_errors)} HTTP 5xx{', e.g. ' + errors[0] if errors else ''}); engine after: {after.running} "
+        f"running, {after.waiting} waiting, {after.free_kv_blocks}/{after.total_kv_blocks} KV blocks free: "
+        f"{'idle' if idle else 'NOT IDLE'}",
+        flush=True,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -357,9 +386,71 @@ def openai_frontend(address: str, workers: int):
         proc.wait(30)
 
 
+@dataclass
+class ServiceEngine:
+    """The engine of a ``nanostream serve --openai-port`` service, as run_shape reads an EngineProcess."""
+
+    address: str
+    pid: int
+
+
+@contextlib.contextmanager
+def openai_service(model: Path, args, engine_kwargs: dict):
+    """``nanostream serve MODEL --openai-port P`` (engine and frontend as one command, at its default
+    --openai-workers unless ``--http-service N``); yields (its engine, base URL, frontend pids, workers)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanostream", "serve", str(model), "--openai-port", str(port), "--no-register"]
+    cmd += ["--seed", str(args.seed), "--stream-interval", str(args.stream_interval)]
+    if args.http_service != "auto":
+        cmd += ["--openai-workers", args.http_service]
+    for name, value in engine_kwargs.items():  # as EngineProcess passes them
+        flag = "--" + name.replace("_", "-")
+        cmd += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        address = workers = None
+        for line in proc.stdout:
+            print(f"service: {line.rstrip()}", flush=True)
+            if line.startswith(READY):
+                address = line[len(READY) :].strip()
+            elif line.startswith("nanostream: OpenAI API at"):
+                workers = int(line.split("(")[1].split()[0]) if "server processes" in line else 1
+                break
+        if address is None or workers is None:
+            raise RuntimeError(f"the service did not start ({' '.join(cmd)})")
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep its pipe drained
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the service's OpenAI API did not come up") from None
+                time.sleep(0.5)
+        kids = process_tree(proc.pid)[1:]
+        engine_pid = next(p for p in kids if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes())
+        frontend = next(p for p in kids if b"frontend" in Path(f"/proc/{p}/cmdline").read_bytes())
+        yield ServiceEngine(address, engine_pid), base, lambda: process_tree(frontend), workers
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[list[Round]]]:
     """The AsyncClient rounds of every shape, then the HTTP rounds per worker count; ``fresh(i)``:
     workload number i."""
+    if args.http_service:
+        with openai_service(model, args, engine_kwargs) as (engine, base, fpids, workers):
+            print(f"service: engine pid {engine.pid} at {engine.address}, {workers} frontend worker(s)")
+            rounds = [fresh(10_000 + r) for r in range(args.runs)]
+            target = Target(base_url=base, model=model.name)
+            http = [run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers)]
+            if args.connections:  # (its own line, not a row of the table: it is not the offline workload)
+                run_connections(args, fresh, warmup, engine, target, fpids, workers)
+        args.http_workers = [workers]
+        return [], http
     engine = EngineProcess(str(model), seed=args.seed, stream_interval=args.stream_interval, **engine_kwargs)
     if args.profile:  # the same `serve`, under cProfile: its main thread (the busy loop), its whole life
         engine.cmd[1:2] = ["-m", "cProfile", "-o", str(args.profile / "engine.prof"), "-m"]
@@ -526,6 +617,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "list in turn (one table each); 0: no HTTP",
     )
     clients.add_argument(
+        "--http-service",
+        nargs="?",
+        const="auto",
+        metavar="WORKERS",
+        help="the HTTP rounds through the one command, `nanostream serve MODEL --openai-port P` (its engine, "
+        "its frontend at --openai-workers WORKERS, default: its own auto), instead of --http-workers; no "
+        "AsyncClient rounds",
+    )
+    clients.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        help="with --http-service: then one round of this many requests at once, each on its own SSE connection",
+    )
+    clients.add_argument(
         "--http-only",
         action="store_true",
         help="skip the AsyncClient rounds (the offline runs still happen: the ratios need them)",
@@ -548,6 +654,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_workload_args(parser, args)
     if args.runs < 1 or args.stream_interval < 1:
         parser.error("--runs and --stream-interval must be positive")
+    if args.connections and not args.http_service:
+        parser.error("--connections is a round of --http-service: give it too")
     if args.http_only and not args.http_workers:
         parser.error("--http-only skips the AsyncClient rounds: give --http-workers W for the HTTP ones")
     for p, s in args.shapes:

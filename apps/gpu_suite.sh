@@ -25,6 +25,8 @@
 #                                  #   phases at batch 1 and 256, tp=1 and tp=2, with their floors)
 #   bash apps/gpu_suite.sh regress # apps/bench.py (triton) in this checkout and in OLD (a carried export of
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
+#   bash apps/gpu_suite.sh service # issue 30: HTTP through `nanostream serve MODEL --openai-port P` at its defaults,
+#                                  #   3 rounds of 4x64 and 1,024 connections at once, then frontend --workers 8, ~7 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -275,6 +277,22 @@ regress)
     done ;;
 structured)
     structured_bench "$@" ;;
+service)
+    # Issue 30: the one command at its defaults, `nanostream serve MODEL --openai-port P` (its own
+    # --openai-workers auto, its default attention backend): the offline runs, then 3 rounds of 4x64 HTTP
+    # SSE streams from aiohttp client processes, then 1,024 requests at once, each on a connection of its
+    # own; then the same rounds through `nanostream frontend openai --workers 8` for comparison (~7 min).
+    python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
+        || tail -n 5 "$out/install.log"  # the frontends register through entry points: a real install
+    timeout "${SERVICE_S:-330}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+        --shapes 4x64 --runs 3 --http-service --connections 1024 "$@" >"$out/service.log" 2>&1
+    grep -v -E "INFO|Loading weights|^service: " "$out/service.log" | tail -n 14
+    pkill -9 -f '[n]anostream (serve|frontend)'
+    if [ "${WORKERS_S:-150}" != 0 ]; then
+        timeout "${WORKERS_S:-150}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+            --shapes 4x64 --runs 3 --http-workers 8 --http-only "$@" >"$out/service-w8.log" 2>&1
+        grep -v -E "INFO|Loading weights" "$out/service-w8.log" | tail -n 8
+    fi ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac
