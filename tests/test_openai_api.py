@@ -2,12 +2,15 @@
 engine process and a tiny random model (a "scripted" reply is forced with structured outputs): JSON that
 validates, regex and choices, tool calls (required, named, auto; streamed deltas equal the whole reply),
 tool histories rendered as the template renders them, n samples, template options, reasoning, the
-tokenizer routes and the fields this server refuses."""
+tokenizer routes, the fields this server refuses, vLLM's extensions (continuous usage stats, echo with
+continue_final_message, truncate_prompt_tokens) and every field of the openai package's response models in the
+raw replies."""
 
 from __future__ import annotations
 
 import json
 import re
+import typing
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +18,8 @@ import httpx
 import jsonschema
 import pytest
 from helpers import API_KEY, engine_processes, run_in_thread, serve_http
+from openai.types import Completion, CompletionChoice
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, Field
 
 from nanostream import LLM, AsyncClient, SamplingParams
@@ -225,21 +230,23 @@ def test_required_and_named_tool_choice_give_calls_that_validate(api, model):
         assert final.choices[0].finish_reason == "tool_calls"
 
 
-def test_a_scripted_tool_call_under_auto_is_parsed_streamed_and_not(api, model):
+def test_a_scripted_tool_call_under_auto_is_parsed_streamed_and_not(api, http, model):
     reply = (
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
     )
-    args = dict(model=model, messages=USER, tools=TOOLS, max_tokens=120, temperature=0, extra_body=forced(reply))
-    whole = api.chat.completions.create(**args)
+    args = dict(model=model, messages=USER, tools=TOOLS, max_tokens=120, temperature=0)
+    raw = {**args, **forced(reply)}  # read raw: every field of the openai models checked there
+    whole = ChatCompletion.model_validate(checked_reply(http, "/v1/chat/completions", raw))
     message = whole.choices[0].message
     assert message.content == "Let me check.\n"
     assert calls_of(message) == [("get_weather", '{"city": "Paris", "unit": "C"}')]
     assert whole.choices[0].finish_reason == "tool_calls"
-    chunks = list(api.chat.completions.create(**args, stream=True))
+    chunks = [ChatCompletionChunk.model_validate(e) for e in checked_events(http, "/v1/chat/completions", raw)]
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].id and deltas[0].function.name == "get_weather" and all(d.index == 0 for d in deltas)
+    assert len(deltas) > 1 and all(d.type == "function" for d in deltas)  # (the client's helper reads each one's)
     assert "".join(d.function.arguments or "" for d in deltas) == message.tool_calls[0].function.arguments
-    none = api.chat.completions.create(**{**args, "tool_choice": "none"})
+    none = api.chat.completions.create(**args, tool_choice="none", extra_body=forced(reply))
     assert none.choices[0].message.content == reply and not none.choices[0].message.tool_calls
 
 
@@ -420,7 +427,6 @@ def test_fields_this_server_does_not_implement_are_a_400_naming_them(http, model
         ({"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
         ({"guided_json": {"type": "object"}}, "guided_json", "structured_outputs"),
         ({"modalities": ["text", "audio"]}, "modalities", "text only"),
-        ({"echo": True}, "echo", "completions"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
@@ -453,3 +459,181 @@ def test_the_async_client_has_the_same_options(engine):
             assert "".join(c.text for c in chunks) == "Hello."
 
     run_in_thread(main)
+
+
+# ---- vLLM's extensions, and every field of OpenAI's response models --------------------------------
+
+PREFILL = [*USER, {"role": "assistant", "content": "In Paris it is"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def sse_events(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The decoded ``data:`` events of a streamed reply, read raw (the openai client hides null from missing)."""
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(api, model):
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    args = dict(model=model, n=2, max_tokens=5, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    prompts = ["Once upon a time", "The river ran"]
+    for chunks in (
+        list(api.completions.create(prompt=prompts, stream=True, stream_options=both, **args)),
+        list(api.chat.completions.create(messages=USER, stream=True, stream_options=both, **args)),
+    ):
+        *events, last = chunks
+        so_far: dict[int, int] = {}
+        for chunk in events:  # each chunk's usage: its choice's prompt and tokens so far
+            (choice,) = chunk.choices
+            usage, before = chunk.usage, so_far.get(choice.index, 0)
+            assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.prompt_tokens > 0
+            assert usage.completion_tokens >= before
+            so_far[choice.index] = usage.completion_tokens
+        assert so_far == {i: 5 for i in range(len(so_far))} and len(so_far) in (2, 4)
+        assert last.choices == [] and last.usage.completion_tokens == 5 * len(so_far)
+        assert last.usage.prompt_tokens == sum(
+            {c.choices[0].index // 2: c.usage.prompt_tokens for c in events}.values()
+        )
+    roles = [c for c in chunks[:-1] if c.choices[0].delta.role == "assistant"]  # the chat's role chunks: no token yet
+    assert [c.usage.completion_tokens for c in roles] == [0, 0]
+    # vLLM's rule: continuous usage only with include_usage; include_usage alone keeps its one usage chunk
+    alone = list(
+        api.completions.create(prompt=prompts[0], stream=True, stream_options={"continuous_usage_stats": True}, **args)
+    )
+    assert all(c.usage is None for c in alone)
+    final = list(api.completions.create(prompt=prompts[0], stream=True, stream_options={"include_usage": True}, **args))
+    assert all(c.usage is None for c in final[:-1]) and final[-1].usage.completion_tokens == 10
+
+
+def test_continue_final_message_leaves_it_open_and_echo_repeats_it(api, http, llm, model):
+    text = llm.tokenizer.apply_chat_template(PREFILL, tokenize=False, continue_final_message=True)
+    assert text.endswith("In Paris it is")  # open: no end of turn after the prefilled words
+    expected = llm.tokenizer(text, add_special_tokens=False).input_ids
+    assert http.post("/tokenize", json={"messages": PREFILL, **CONTINUE}).json()["tokens"] == expected
+    args = dict(model=model, messages=PREFILL, max_tokens=6, temperature=0, extra_body=CONTINUE)
+    plain = api.chat.completions.create(**args)
+    assert plain.usage.prompt_tokens == len(expected)
+    offline = llm.generate([expected], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].text
+    assert plain.choices[0].message.content == offline
+    echo = {**CONTINUE, "echo": True}
+    whole = api.chat.completions.create(**{**args, "extra_body": echo})
+    assert whole.choices[0].message.content == "In Paris it is" + offline
+    chunks = list(api.chat.completions.create(**{**args, "extra_body": echo, "n": 2}, stream=True))
+    assert [(c.choices[0].index, c.choices[0].delta.content) for c in chunks[2:4]] == [
+        (0, "In Paris it is"),
+        (1, "In Paris it is"),
+    ]
+    for i in (0, 1):
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        assert streamed == whole.choices[0].message.content
+    # the final message is the user's: a new assistant message, nothing echoed
+    new = dict(model=model, messages=USER, max_tokens=4, temperature=0)
+    assert api.chat.completions.create(**new, extra_body={"echo": True}).choices[0].message.content == (
+        api.chat.completions.create(**new).choices[0].message.content
+    )
+
+
+def test_continue_final_message_errors_say_what_to_change(http, model):
+    body = {"model": model, "messages": PREFILL, "max_tokens": 2, "continue_final_message": True}
+    assert_400(http.post("/v1/chat/completions", json=body), "continue_final_message", "add_generation_prompt to false")
+    tokenize = {"messages": PREFILL, "continue_final_message": True}
+    assert_400(http.post("/tokenize", json=tokenize), "continue_final_message", "add_generation_prompt to false")
+    assert_400(http.post("/tokenize", json={"prompt": "a", **CONTINUE}), "continue_final_message", "with messages")
+    assert_400(
+        http.post("/v1/completions", json={"prompt": "a", "continue_final_message": True}),
+        "continue_final_message",
+        "/v1/chat/completions",
+    )
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(api, http, llm, model):
+    prompt = "The engine keeps a pool of key and value blocks, and every request owns a table of them."
+    ids = llm.tokenizer(prompt).input_ids
+    args = dict(model=model, max_tokens=4, temperature=0)
+    cut = api.completions.create(prompt=prompt, echo=True, extra_body={"truncate_prompt_tokens": 6}, **args)
+    last6 = api.completions.create(prompt=ids[-6:], echo=True, **args)
+    assert cut.usage.prompt_tokens == 6 and cut.choices[0].text == last6.choices[0].text
+    assert cut.choices[0].text.startswith(llm.tokenizer.decode(ids[-6:]))  # echo: the prompt the model saw
+    whole = api.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": -1}, **args)
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = api.chat.completions.create(messages=USER, extra_body={"truncate_prompt_tokens": 5}, **args)
+    assert chat.usage.prompt_tokens == 5
+    max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    for keep, fragment in ((0, ">= 1"), (-2, ">= 1"), (max_model_len - 3, f"= {max_model_len - 4}")):
+        for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": USER})):
+            reply = http.post(path, json={**body, "max_tokens": 4, "truncate_prompt_tokens": keep})
+            assert_400(reply, "truncate_prompt_tokens", fragment)
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation may hold (through Optional, List, Annotated, unions)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def missing_fields(value: dict, model: type[BaseModel], where: str = "") -> list[str]:
+    """Every field of ``model`` (and of the models nested in it that ``value`` fills) absent from ``value``."""
+    extra = {CompletionChoice: ["prompt_logprobs"], ChatCompletion: ["prompt_logprobs"]}.get(model, [])  # vLLM's
+    fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    out = [f"{where}.{name}" for name in [*fields, *extra] if name not in value]
+    for name, f in fields.items():
+        kinds, got = _models_in(f.annotation), value.get(name)  # no kinds: plain values (a dict of top logprobs)
+        for i, item in enumerate(got) if isinstance(got, list) else [(None, got)]:
+            if kinds and isinstance(item, dict):
+                at = f"{where}.{name}" + ("" if i is None else f"[{i}]")
+                out += missing_fields(item, kinds[0] if len(kinds) == 1 else _of_type(kinds, item.get("type")), at)
+    return out
+
+
+def _of_type(kinds: list[type[BaseModel]], type_: str) -> type[BaseModel]:
+    """The one of a union of models (tool calls: function or custom) whose ``type`` is ``type_``."""
+    (kind,) = [k for k in kinds if type_ in typing.get_args(k.model_fields["type"].annotation)]
+    return kind
+
+
+def checked_reply(http: httpx.Client, path: str, body: dict) -> dict:
+    """A whole reply, read raw: every field of the openai package's model is in it (null where the reply has
+    nothing), and a chat reply validates as one."""
+    reply = http.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    chat = path == "/v1/chat/completions"
+    assert missing_fields(reply.json(), ChatCompletion if chat else Completion) == [], body
+    return ChatCompletion.model_validate(reply.json()).model_dump() if chat else reply.json()
+
+
+def checked_events(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The streamed events, each checked as checked_reply checks a reply."""
+    chat = path == "/v1/chat/completions"
+    events = sse_events(http, path, body)
+    for event in events:
+        assert missing_fields(event, ChatCompletionChunk if chat else Completion) == [], (body, event)
+        if chat:  # (completions validate less strictly than OpenAI sends them: an echoed prompt's first token
+            ChatCompletionChunk.model_validate(event)  # has a null logprob, a streamed choice a null finish_reason)
+    return events
+
+
+def test_every_field_of_the_openai_response_models_is_in_the_replies(http, model):
+    """Raw JSON, whole and streamed (usage on every chunk or none), both endpoints, with n > 1, logprobs,
+    echo and prompt logprobs (tools: test_a_scripted_tool_call_under_auto_is_parsed_streamed_and_not)."""
+    usage = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chats = [
+        {"messages": USER, "max_tokens": 4},
+        {"messages": USER, "max_tokens": 4, "n": 2, "logprobs": True, "top_logprobs": 2, "temperature": 1.0},
+        {"messages": PREFILL, "max_tokens": 3, "echo": True, **CONTINUE},
+    ]
+    completions = [
+        {"prompt": "Once upon a time", "max_tokens": 4},
+        {"prompt": ["Once", "The river"], "n": 2, "max_tokens": 3, "logprobs": 2, "echo": True},
+        {"prompt": "Once upon a time", "max_tokens": 2, "prompt_logprobs": 1},
+    ]
+    for path, bodies in (("/v1/chat/completions", chats), ("/v1/completions", completions)):
+        for body in bodies:
+            checked_reply(http, path, {"model": model, **body})
+            assert all(e["usage"] is None for e in checked_events(http, path, {"model": model, **body}))
+            assert all(e["usage"] for e in checked_events(http, path, {"model": model, **body, **usage}))
+    absent = missing_fields({"choices": [{"logprobs": {}}]}, Completion)  # the check itself finds them
+    assert {".usage", ".choices[0].prompt_logprobs", ".choices[0].logprobs.tokens"} <= set(absent)

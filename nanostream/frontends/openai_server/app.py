@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from nanostream.client import AsyncClient
-from nanostream.client.chat_template import check_template_kwargs
+from nanostream.client.chat_template import check_template_kwargs, render_chat
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
 from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends.engine_wait import EngineWait
-from nanostream.frontends.openai_server.chat_protocol import ChatRequest
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest, template_error
 from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.metrics import Metrics
 from nanostream.frontends.openai_server.protocol import (
@@ -221,9 +221,9 @@ class _Server(Tokenization):
         params = body.sampling_params(body.max_tokens, body.logprobs, constraint_of(body))
         if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)  # the echoed prompt's logprobs
-        prompts = body.prompt
-        stream = self.client.stream(prompts if len(prompts) > 1 else prompts[0], params)
         tokenizer = self.client.tokenizer
+        prompts = body.prompts_kept(tokenizer, self.client.max_model_len)
+        stream = self.client.stream(prompts if len(prompts) > 1 else prompts[0], params)
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
         options = self._options(stream, body, chat=False, top_logprobs=body.logprobs)
         options.echo = echo
@@ -233,27 +233,30 @@ class _Server(Tokenization):
         self._checked(body)
         logprobs = body.num_logprobs()
         plan = tool_plan(body, self.tool_parser)
-        params = body.sampling_params(
-            body.max_completion_tokens or body.max_tokens, logprobs, constraint_of(body, plan)
-        )
+        max_tokens = body.max_new_tokens()
+        params = body.sampling_params(max_tokens, logprobs, constraint_of(body, plan))
         try:
             kwargs = check_template_kwargs(body.chat_template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "chat_template_kwargs") from None
-        try:
-            stream = self.client.chat(
+        try:  # rendered here, not by AsyncClient.chat: the prompt may be left open, and truncated
+            ids = render_chat(
+                self.client.tokenizer,
                 body.template_messages(),
-                params,
                 tools=plan.tools,
-                chat_template_kwargs=kwargs,
-                reasoning_parser=self.reasoning_parser,
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=kwargs,
             )
         except InvalidRequestError as exc:
-            raise bad_request(str(exc), "messages") from None
+            raise template_error(exc) from None
+        ids = body.truncated(ids, self.client.max_model_len, max_tokens)
+        stream = Stream(self.client, ids, params, reasoning_parser=self.reasoning_parser)
         options = self._options(stream, body, chat=True, top_logprobs=logprobs)
         options.tool_parser = self.tool_parser if plan.parse else None
         options.reasoning = self.reasoning_parser is not None
+        echoed = body.echoed()
+        options.role, options.echo = body.role, None if echoed is None else [echoed]
         return await self._respond(request, body, stream, Reply(options))
 
     def _options(self, stream: Stream, body: BaseRequest, *, chat: bool, top_logprobs: int | None) -> ReplyOptions:
@@ -266,6 +269,7 @@ class _Server(Tokenization):
             n=stream.params.n,
             top_logprobs=top_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
+            continuous_usage=body.continuous_usage,
         )
 
     async def _respond(self, request: Request, body: BaseRequest, stream: Stream, reply: Reply) -> Response:

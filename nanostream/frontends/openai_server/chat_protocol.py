@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanostream.frontends.openai_server.protocol import BaseRequest, Int64, bad_request
+from nanostream.errors import InvalidRequestError
+from nanostream.frontends.openai_server.protocol import APIError, BaseRequest, Int64, bad_request
 from nanostream.sampling_params import MAX_LOGPROBS
 
 
@@ -82,7 +83,26 @@ class ChatRequest(BaseRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra fields
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the final message open: the reply continues it
+    echo: bool = False  # the reply starts with the final message's content when it has the reply's role
+
+    @property
+    def role(self) -> str:
+        """The reply's role: a new assistant message's, or (no generation prompt) the final message's, which
+        the reply goes on with (vLLM's rule)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self) -> str | None:
+        """With ``echo``, the text the reply starts with: the final message's, if it has the reply's role."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.role:
+            return None
+        return last.text(len(self.messages) - 1) or None
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -93,3 +113,10 @@ class ChatRequest(BaseRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+def template_error(exc: InvalidRequestError | ValueError) -> APIError:
+    """The 400 of a conversation the chat template cannot render: naming the option at fault, else messages."""
+    error = bad_request(str(exc))
+    error.param = error.param or "messages"
+    return error

@@ -103,7 +103,9 @@ Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # what the wire format car
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last event with the request's usage and no choices
+    # vLLM's: every event also carries usage so far (its choice's tokens); only with include_usage, as in vLLM
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(BaseModel):
@@ -155,10 +157,37 @@ class BaseRequest(BaseModel):
     skip_special_tokens: bool | None = None
     prompt_logprobs: Int64 | None = None
     structured_outputs: dict[str, Any] | None = None
+    truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last k tokens; -1: all the context allows
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def truncated(self, ids: list[int], max_model_len: int, max_tokens: int | None) -> list[int]:
+        """``ids`` cut to the last ``truncate_prompt_tokens`` (vLLM's left truncation); -1 keeps as many as
+        ``max_model_len`` leaves beside ``max_tokens``, and no more may be asked for."""
+        keep, room = self.truncate_prompt_tokens, max_model_len - (max_tokens or 0)
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = room
+        elif keep < 1:
+            raise bad_request(
+                f"truncate_prompt_tokens must be a number of tokens >= 1 (the prompt's last ones are kept), or -1 "
+                f"for as many as the context allows; got {keep}",
+                "truncate_prompt_tokens",
+            )
+        elif keep > room:
+            raise bad_request(
+                f"truncate_prompt_tokens cannot be over max_model_len ({max_model_len}) less max_tokens "
+                f"({max_tokens or 0}) = {room}; got {keep}: ask for fewer, or -1 for that many",
+                "truncate_prompt_tokens",
+            )
+        return ids[-keep:] if keep > 0 else []
 
     def check(self) -> None:
         """What pydantic cannot see alone: fields that need others."""
@@ -219,6 +248,13 @@ class CompletionRequest(BaseRequest):
         raise ValueError(
             "prompt must be a string, a list of token ids, or a list of several of either (one choice each)"
         )
+
+    def prompts_kept(self, tokenizer: Any, max_model_len: int) -> list[Prompt]:
+        """The prompts, as token ids cut to ``truncate_prompt_tokens`` when it is given."""
+        if self.truncate_prompt_tokens is None:
+            return self.prompt
+        ids = [p if isinstance(p, list) else tokenizer(p).input_ids for p in self.prompt]  # as AsyncClient.stream
+        return [self.truncated(p, max_model_len, self.max_tokens) for p in ids]
 
     def check(self) -> None:
         super().check()

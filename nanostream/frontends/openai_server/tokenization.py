@@ -2,6 +2,8 @@
 
     POST /tokenize {"prompt": "Hi there"}                          -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /tokenize {"messages": [...], "add_generation_prompt": true, "tools": [...], "chat_template_kwargs": {...}}
+    POST /tokenize {"messages": [..., {"role": "assistant", "content": "Sure"}], "add_generation_prompt": false,
+                    "continue_final_message": true}                # the final message left open
     POST /detokenize {"tokens": [9707, 1052]}                      -> {"prompt": "Hi there"}
 
 A chat body is rendered exactly as /v1/chat/completions renders it (client/chat_template.py).
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import nanostream
 from nanostream.client.chat_template import render_chat
 from nanostream.errors import InvalidRequestError
-from nanostream.frontends.openai_server.chat_protocol import ChatMessage, Tool
+from nanostream.frontends.openai_server.chat_protocol import ChatMessage, Tool, template_error
 from nanostream.frontends.openai_server.protocol import Int64, bad_request
 
 
@@ -55,11 +57,9 @@ class Tokenization:
         tokenizer = self.client.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give either prompt (text) or messages (a conversation), not both or neither")
-        if body.continue_final_message:
-            raise bad_request("continue_final_message is not supported; leave it out", "continue_final_message")
         if body.prompt is not None:
-            for name in ("tools", "chat_template_kwargs"):
-                if getattr(body, name) is not None:
+            for name in ("tools", "chat_template_kwargs", "continue_final_message"):
+                if getattr(body, name) not in (None, False):
                     raise bad_request(f"{name} goes with messages, not with prompt", name)
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
         else:
@@ -69,11 +69,12 @@ class Tokenization:
                     [m.for_template(i) for i, m in enumerate(body.messages)],
                     tools=[t.for_template() for t in body.tools] if body.tools else None,
                     add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
                     chat_template_kwargs=body.chat_template_kwargs,
                     add_special_tokens=bool(body.add_special_tokens),
                 )
             except (InvalidRequestError, ValueError) as exc:
-                raise bad_request(str(exc), "messages") from None
+                raise template_error(exc) from None
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -30,20 +30,18 @@ UNSUPPORTED: dict[str, str] = {
     "allowed_token_ids": "use logit_bias or structured_outputs instead",
     "bad_words": "use logit_bias instead",
     "logits_processors": "this server runs no custom logits processors",
-    "truncate_prompt_tokens": "shorten the prompt yourself",
     "chat_template": "this server renders with the model's own chat template",
-    "continue_final_message": "this server always starts a new assistant message",
     "documents": "this server's templates take no documents",
     "mm_processor_kwargs": "this server serves text models",
     "prompt_embeds": "send the prompt as text or token ids",
 }
-_CHAT_ONLY = {"echo": "echo is for /v1/completions; chat replies never repeat the messages"}
+_CHAT_ONLY = {"continue_final_message": "it is for /v1/chat/completions; a completion always continues its prompt"}
 
 
 def check_supported(body: BaseRequest) -> None:
     """Raise the 400 of the first field that is given but not implemented."""
     extra: dict[str, Any] = body.model_extra or {}
-    table = {**UNSUPPORTED, **(_CHAT_ONLY if isinstance(body, ChatRequest) else {})}
+    table = {**UNSUPPORTED, **({} if isinstance(body, ChatRequest) else _CHAT_ONLY)}
     for name, value in extra.items():
         if name in table and value is not None:
             raise bad_request(f"{name} is not supported: {table[name]}", name)
