@@ -92,7 +92,7 @@ def align_by_expert(
     return sorted_pairs, block_experts, ends[-1:]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # both follow the token count: one compile
 def _moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, weights_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr,
     N, K, num_pairs, num_blocks_m,
