@@ -23,6 +23,7 @@ from nanostream.distributed.group import TensorParallel
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import pack_step
+from nanostream.kernels.fused_moe import fused_moe
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
@@ -55,6 +56,18 @@ def test_greedy_matches_hf_from_1_to_700_tokens_with_prefix_hits_and_chunked_pre
     stats = llm.engine.stats()
     assert stats.steps["prefill"] + stats.steps["mixed"] >= 3
     assert_matches_hf(hf_model_cache(path), prompts, first + rest, params.max_tokens)
+
+
+def test_the_triton_backend_runs_the_fused_moe_kernel_token_exact(moe_dirs, hf_model_cache):
+    # Under Triton's interpreter on CPU (slow: one short workload): Qwen2-MoE, for its shared expert and
+    # dense layer beside the routed experts; the kernel itself is checked in test_fused_moe.py.
+    path = moe_dirs["qwen2_moe"]
+    prompts = random_prompts([1, 40], seed=24)
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=8,
+              max_num_batched_tokens=32, max_num_seqs=4)  # fmt: skip
+    assert llm.engine.runner.model.model.layers[0].mlp.experts.kernel is fused_moe
+    params = greedy(6)
+    assert_matches_hf(hf_model_cache(path), prompts, llm.generate(prompts, params, use_tqdm=False), params.max_tokens)
 
 
 def test_the_declarations_read_each_familys_experts():
