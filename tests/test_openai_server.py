@@ -320,8 +320,13 @@ def test_frontend_without_an_engine_address_says_what_to_give(monkeypatch, capsy
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine")
     OpenAIServer.add_arguments(parser)
-    assert OpenAIServer().run(parser.parse_args(["--port", "0"])) == 2
+    assert OpenAIServer().run(parser.parse_args(["--port", "0", "--engine-wait", "0"])) == 2  # at once
     assert "NANOSTREAM_ADDRESS" in capsys.readouterr().err
+    # Waiting (the default), it serves meanwhile and says the same when no local engine came.
+    assert OpenAIServer().run(parser.parse_args(["--port", "0", "--engine-wait", "1"])) == 1
+    err = capsys.readouterr().err
+    assert "waiting up to 1 s for a local engine (`nanostream serve`)" in err
+    assert "no local engine is running" in err and "NANOSTREAM_ADDRESS" in err.splitlines()[-1]
 
 
 # ---- 3. a client that hangs up ---------------------------------------------------------------------
