@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanostream.kernels.fused_moe import MoETile, align_by_expert, fused_moe, tile_for
+from nanostream.kernels import fused_moe as fused_moe_module
+from nanostream.kernels.fused_moe import TILES, MoETile, align_by_expert, fused_moe, tile_for
 from nanostream.layers.moe import moe_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,13 +70,42 @@ def test_fused_moe_matches_the_torch_path(case):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def runs(pairs, block_experts, num_padded, block_m) -> dict[int, list[int]]:
+    """Each expert's run as the sorted list of what it holds (pairs and pads): within a run the order is free."""
+    by_expert: dict[int, list[int]] = {}
+    for b in range(int(num_padded) // block_m):
+        by_expert.setdefault(int(block_experts[b]), []).extend(pairs[b * block_m : (b + 1) * block_m].tolist())
+    return {e: sorted(held) for e, held in by_expert.items()}
+
+
 def test_alignment_pads_each_experts_run_to_the_block_and_bounds_the_length_statically():
     ids = torch.tensor([[0, 2], [2, 0], [2, 1]], device=DEVICE)  # pairs 0..5; expert 3 gets none
     pairs, block_experts, num_padded = align_by_expert(ids, 4, 4)
     pad = 6  # T*K: a pair that does not exist
-    assert pairs.tolist() == [0, 3, pad, pad, 5, pad, pad, pad, 1, 2, 4, pad] + [pad] * 8
+    assert num_padded.tolist() == [12] and block_experts.tolist()[:3] == [0, 1, 2]
+    assert runs(pairs.cpu(), block_experts.cpu(), 12, 4) == {
+        0: [0, 3, pad, pad],
+        1: [5, pad, pad, pad],
+        2: [1, 2, 4, pad],
+    }
+    assert pairs[12:].tolist() == [pad] * 8
     assert len(pairs) == 20  # T*K + min(E, T*K) * (block - 1), rounded up to the block: any routing fits
-    assert block_experts.tolist()[:3] == [0, 1, 2] and num_padded.tolist() == [12]
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, k, block_m", [(1, 128, 8, 16), (256, 128, 8, 64), (37, 8, 2, 16)])
+def test_the_alignment_kernel_makes_the_runs_the_torch_ops_make(monkeypatch, num_tokens, num_experts, k, block_m):
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids, _ = routing(num_tokens, num_experts, k, gen, skew=True)
+    assert ids.numel() <= fused_moe_module.ALIGN_KERNEL_PAIRS
+    kernel = [t.cpu() for t in align_by_expert(ids, num_experts, block_m)]
+    monkeypatch.setattr(fused_moe_module, "ALIGN_KERNEL_PAIRS", 0)  # the torch ops (prefill's path)
+    torch_ops = [t.cpu() for t in align_by_expert(ids, num_experts, block_m)]
+    assert kernel[0].shape == torch_ops[0].shape and kernel[1].shape == torch_ops[1].shape
+    assert kernel[2].tolist() == torch_ops[2].tolist()
+    used = int(kernel[2]) // block_m
+    assert kernel[1][:used].tolist() == torch_ops[1][:used].tolist()
+    assert runs(*kernel[:2], kernel[2], block_m) == runs(*torch_ops[:2], torch_ops[2], block_m)
+    assert (kernel[0][int(kernel[2]) :] == ids.numel()).all()  # past the runs: pads
 
 
 def test_the_launcher_checks_layouts():
@@ -96,4 +126,5 @@ def test_the_launcher_checks_layouts():
 def test_tiles_come_from_the_table_by_token_count():
     small, large = tile_for(1, 128, 2048, 768, torch.bfloat16), tile_for(8192, 128, 2048, 768, torch.bfloat16)
     assert small.block_m <= large.block_m
-    assert tile_for(10**9, 8, 64, 32, torch.float32) == large  # the last row holds any count
+    assert tile_for(10**9, 8, 64, 32, torch.float32) == TILES["default"][-1][1]  # the last row holds any count
+    assert tile_for(64, 128, 2048, 768, torch.bfloat16) == TILES[128, 2048, 768, "bfloat16"][0][1]  # by shape
