@@ -293,12 +293,15 @@ class StepStats:
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
-        step = llm.engine.step
+        self.contexts: list[int] = []  # per step: the tokens its running sequences hold (the KV it reads)
+        self.floor = StepFloor(llm) if llm.config.device.startswith("cuda") else None
+        step, running = llm.engine.step, llm.engine.scheduler.running
 
         def timed_step():
             start = time.perf_counter()
             result = step()
             self.steps.append((time.perf_counter() - start, result.num_prefill_tokens, result.num_decode_tokens))
+            self.contexts.append(sum(seq.num_tokens for seq in running))
             return result
 
         llm.engine.step = timed_step
@@ -352,13 +355,20 @@ class StepStats:
         for seconds, prefill, decode in self.steps:
             groups.setdefault(self.group(prefill, decode), []).append(seconds)
         medians = {g: sorted(times)[len(times) // 2] for g, times in groups.items()}
+        floors: dict[int, float] = {}  # s: the steps' floors, summed by group
+        if self.floor is not None:
+            for (_, prefill, decode), context in zip(self.steps, self.contexts):
+                g = self.group(prefill, decode)
+                floors[g] = floors.get(g, 0.0) + self.floor.seconds(prefill + decode, context)
         total = sum(s for s, _, _ in self.steps)
-        rows = [("steps", "count", "total s", "share", "mean ms", "median ms")]
+        rows = [("steps", "count", "total s", "share", "mean ms", "median ms", "floor s", "floor / time")]
         for g in sorted(groups, key=lambda g: (g >= 0, -g)):  # prefill first, then falling batch size
             times = groups[g]
+            floor = (f"{floors[g]:.2f}", f"{floors[g] / sum(times):.2f}") if g in floors else ("", "")
             rows.append((self.label(g), str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
-                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * medians[g]:.2f}"))  # fmt: skip
-        rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", ""))
+                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * medians[g]:.2f}", *floor))  # fmt: skip
+        floor = (f"{sum(floors.values()):.2f}", f"{sum(floors.values()) / total:.2f}") if floors else ("", "")
+        rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", "", *floor))
         slow = [
             f"  step {i}: {1e3 * seconds:.1f} ms ({prefill} prefill + {decode} decode tokens)"
             for i, (seconds, prefill, decode) in enumerate(self.steps)
@@ -375,7 +385,51 @@ class StepStats:
         compiles = [f"  step {i}: {what[:240]}" for i, what in self.compiles]
         if compiles:
             compiles.insert(0, f"Triton kernels compiled during the timed run ({len(compiles)}):")
-        return "\n".join([*format_table(rows), *slow, *compiles[: limit + 1]])
+        notes = [self.floor.describe()] if self.floor is not None else []
+        return "\n".join([*format_table(rows), *notes, *slow, *compiles[: limit + 1]])
+
+
+class StepFloor:
+    """A step's floor: the time to read, once, at the device's measured copy bandwidth, the weights it
+    touches and the KV of its running sequences. Weights: all but an untied embedding (a step reads a
+    row of it per token), and of a mixture-of-experts layer only the experts its tokens can route to:
+    E (1 - (1 - K/E)^T) of E for T tokens, as if each picked K experts uniformly. A prefill step is also
+    bound by its arithmetic, which this does not count: its floor is the lowest."""
+
+    def __init__(self, llm: LLM) -> None:
+        from kernel_bench.ceilings import copy_ms
+
+        from nanostream.layers.moe import SparseMoE
+
+        runner = llm.engine.runner
+        model = runner.model
+        # (top_k, that layer's experts): their weights are read as far as tokens route to them
+        self.experts = [(m.gate.top_k, m.experts) for m in model.modules() if isinstance(m, SparseMoE)]
+        expert_params = {id(p) for _, m in self.experts for p in m.parameters()}
+        self.dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+        embed = model.model.embed_tokens.weight
+        if embed is not model.lm_head.weight:
+            self.dense -= embed.numel() * embed.element_size()
+        self.kv_per_token = runner.kv_block_bytes / runner.block_size  # K and V of every layer
+        nbytes = 1 << 30
+        self.bandwidth = max(2 * nbytes / (copy_ms(nbytes) * 1e-3) for _ in range(2))  # bytes/s, read + written
+
+    def seconds(self, tokens: int, context: int) -> float:
+        nbytes = self.dense + context * self.kv_per_token
+        for k, m in self.experts:
+            e = m.w13.shape[0]
+            touched = e * (1 - (1 - k / e) ** tokens)
+            nbytes += touched / e * (m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size())
+        return nbytes / self.bandwidth
+
+    def describe(self) -> str:
+        experts = sum(
+            m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for _, m in self.experts
+        )
+        return (
+            f"floor: weights {self.dense / 1e9:.2f} GB dense + {experts / 1e9:.2f} GB of experts (the touched share), "
+            f"KV {self.kv_per_token / 1024:.0f} KiB a context token, at {self.bandwidth / 1e12:.2f} TB/s"
+        )
 
 
 def summary(results: list[Result]) -> str:
