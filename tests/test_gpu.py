@@ -77,16 +77,22 @@ def greedy_with_logits(llm, prompt, steps):
 
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_bfloat16_backends_agree_with_torch_backend(gpu_model_dir, backend):
+    bfloat16_backend_agrees_with_torch_backend(gpu_model_dir, backend)
+
+
+def bfloat16_backend_agrees_with_torch_backend(model_dir, backend: str, at_rounding: float = 1.0) -> None:
+    """Of the steps before the tokens part, a share ``at_rounding`` with logits within cosine 0.999 of the
+    eager torch backend's (and the median within 0.9995); the greedy tokens alike but at a bf16 near-tie."""
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 37, 300, 1000)]
     common = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048, gpu_memory_utilization=0.3)
     # The reference runs every op eagerly, in Hugging Face's order and roundings.
-    reference = LLM(str(gpu_model_dir), attention_backend="torch", enforce_eager=True, torch_compile=False, **common)
+    reference = LLM(str(model_dir), attention_backend="torch", enforce_eager=True, torch_compile=False, **common)
     expected = [greedy_with_logits(reference, p, 32) for p in prompts]
     del reference
     torch.cuda.empty_cache()
     try:
-        llm = LLM(str(gpu_model_dir), attention_backend=backend, **common)
+        llm = LLM(str(model_dir), attention_backend=backend, **common)
     except ValueError as exc:  # flash_attn not installed, or not for this GPU
         pytest.skip(str(exc))
     assert llm.engine.runner.graphs is not None
@@ -96,7 +102,7 @@ def test_bfloat16_backends_agree_with_torch_backend(gpu_model_dir, backend):
         same = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), len(ids))
         n = min(same + 1, len(ids))
         cos = torch.nn.functional.cosine_similarity(logits[:n], ref_logits[:n], dim=-1)
-        assert cos.min().item() > 0.999, cos
+        assert (cos > 0.999).float().mean().item() >= at_rounding and cos.median().item() > 0.9995, cos
         if same < len(ids):
             # Tokens may differ only where the reference's two candidates are a bf16 rounding apart.
             ref = ref_logits[same]
