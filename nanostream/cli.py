@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument(  # checked by make_tiny_model: importing it here would load torch for every command
         "--architecture",
         default="Qwen3ForCausalLM",
-        help="Qwen3ForCausalLM (default), Qwen2ForCausalLM, LlamaForCausalLM or MistralForCausalLM",
+        help="Qwen3ForCausalLM (default), Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or MixtralForCausalLM",
     )
     tiny.add_argument("--seed", type=int, default=0, help="seeds the random weights (default: 0)")
     tiny.set_defaults(func=_make_tiny_model)

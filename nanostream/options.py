@@ -13,11 +13,11 @@ import json
 import textwrap
 from typing import Any
 
-from nanostream.config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from nanostream.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
-CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "load_format": LOAD_FORMATS}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -8,6 +8,7 @@ test_hf_parity.py runs its shared workloads (mixed batches, chunks, preemption, 
 models too; test_tp.py splits them over ranks; test_fused_moe.py checks the kernel.
 """
 
+import dataclasses
 import json
 
 import anyio
@@ -234,3 +235,24 @@ def test_nanostream_serve_streams_each_moe_model_as_transformers_generates(moe_d
             streamed = run_in_thread(stream_all, engines[name].address)
         hf = hf_model_cache(moe_dirs[name])
         assert streamed == [hf_greedy(hf, p, params.max_tokens) for p in prompts], name
+
+
+def test_n_samples_and_structured_output_run_on_a_moe_model(moe_dirs):
+    # What the engine does around the model is the same for every family: n seeded samples are the n = 1
+    # requests of seeds seed + i (sharing the prompt's blocks), and a grammar holds the output to its choices.
+    from nanostream import StructuredOutputsParams
+
+    llm = LLM(str(moe_dirs["qwen2_moe"]), device="cpu", kvcache_block_size=16)
+    prompt = random_prompts([40], seed=30)[0]
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True)
+    together = llm.generate([prompt], SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)[0].outputs  # fmt: skip
+    alone = [llm.generate([prompt], dataclasses.replace(sampled, seed=5 + i), use_tqdm=False)[0]
+             for i in range(3)]  # fmt: skip
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    words = ["alpha", "beta", "gamma"]
+    params = SamplingParams(
+        temperature=1.0, seed=1, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=words)
+    )
+    outs = llm.generate([prompt, prompt[:7]], params, use_tqdm=False)
+    assert all(o.text in words for o in outs), [o.text for o in outs]
