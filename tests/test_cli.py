@@ -69,8 +69,12 @@ def test_a_bad_sampling_option_of_the_demo_is_refused_before_an_engine_starts():
 
 @pytest.mark.slow
 def test_openai_frontend_mistakes_are_one_line(qwen3_dir, tmp_path):
-    out = nanostream("frontend", "openai", "--engine", f"ipc://{tmp_path}/nobody.sock", "--port", "0")
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    out = nanostream("frontend", "openai", "--engine", nobody, "--port", "0", "--engine-wait", "0")
     assert out.returncode == 1 and "no engine answers at" in one_line(out) and "nanostream serve" in out.stderr
+    out = nanostream("frontend", "openai", "--engine", nobody, "--port", "0", "--engine-wait", "1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr  # it served meanwhile, then gave up: its last line
+    assert "no engine answers at" in out.stderr.splitlines()[-1] and "within 1 s (--engine-wait)" in out.stderr
     with EngineProcess(str(qwen3_dir), device="cpu", max_model_len=256) as engine, socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

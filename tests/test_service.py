@@ -144,7 +144,9 @@ def test_serve_openai_workers_2_runs_two_servers_behind_one_port_and_both_answer
 
         texts, seen = anyio.run(requests_and_holders)
         assert len(seen) == 2, f"the requests went to {len(seen)} of the 2 workers"
-        assert len(set(texts)) == 1  # the same first greedy token, whichever worker served it
+        # the same greedy text, whichever worker served it; a first chunk may carry more than one token
+        longest = max(texts, key=len)
+        assert texts and all(longest.startswith(text) for text in texts), texts
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
