@@ -220,7 +220,7 @@ def test_repetition_penalty_matches_hf_while_other_requests_decode(qwen3_dir, hf
 
 def test_llama3_rope_scaling_tables_match_hf(presets, hf_model_cache):
     # The scaled frequencies must be transformers' to the bit: a table an ulp off flips greedy choices later.
-    from nanostream.layers.rotary import RotaryEmbedding
+    from nanostream.layers.rotary import RopeSpec, RotaryEmbedding
 
     llm = LLM(str(presets["llama3"]), device="cpu", kvcache_block_size=16)
     rotary = llm.engine.runner.model.model.rotary
@@ -229,7 +229,7 @@ def test_llama3_rope_scaling_tables_match_hf(presets, hf_model_cache):
     hf_cos, hf_sin = hf.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     half = rotary.cos.shape[1]
     assert torch.equal(rotary.cos, hf_cos[0, :, :half]) and torch.equal(rotary.sin, hf_sin[0, :, :half])
-    unscaled = RotaryEmbedding(2 * half, 2048, llm.engine.runner.spec.rope_theta)
+    unscaled = RotaryEmbedding(2 * half, 2048, RopeSpec(hf.config.rope_parameters["rope_theta"]))
     same = (unscaled.cos == rotary.cos).all(0)  # per frequency, over every position
     assert same.tolist() == [True] * 3 + [False] * 5  # kept, interpolated, slowed down (LLAMA3_ROPE_SCALING)
 

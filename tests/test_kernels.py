@@ -16,7 +16,7 @@ from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.norm import RMSNorm
-from nanostream.layers.rotary import RotaryEmbedding
+from nanostream.layers.rotary import RopeSpec, RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -102,7 +102,7 @@ def run_prologue(num_tokens, heads, head_dim, norm, dtype, seed, padding=(0,)):
     hq, hkv = heads
     qkv = randn((num_tokens, (hq + 2 * hkv) * head_dim), dtype, gen)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
-    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 4096, RopeSpec(1e6)).to(DEVICE)
     norms = [RMSNorm(head_dim, 1e-6).to(DEVICE) for _ in range(2)]
     for n in norms:
         n.weight.data = (1 + 0.3 * randn((head_dim,), torch.float32, gen)).to(dtype)
