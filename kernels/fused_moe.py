@@ -1,4 +1,4 @@
-"""Fused MoE: the routed experts' SwiGLU MLPs as two grouped GEMMs over tokens sorted by expert (the design of
+"""Fused MoE: the routed experts' gated MLPs as two grouped GEMMs over tokens sorted by expert (the design of
 vLLM's ``fused_moe``), computing what ``nanostream.layers.moe.moe_experts`` computes.
 
 1. ``align_by_expert``: the T*K (token, expert) pairs sorted by expert, each expert's run padded to a
@@ -6,11 +6,12 @@ vLLM's ``fused_moe``), computing what ``nanostream.layers.moe.moe_experts`` comp
    Torch ops on the device, no host sync; the buffers have a static length (T*K pairs plus at most
    BLOCK_M - 1 pads for each of the min(E, T*K) experts that can have pairs), so a CUDA graph captures
    it at a fixed T, and the kernels' programs past the padded end return at once.
-2. ``_moe_gemm_kernel`` with SILU_AND_MUL: per block of pairs and tile of the intermediate dimension, the
-   pairs' token rows times the expert's gate and up rows (two float32 accumulators), silu(gate) * up
-   stored: [T*K, I]. The [T*K, 2I] gate/up product is never written.
+2. ``_moe_gemm_kernel`` with GATED_ACT: per block of pairs and tile of the intermediate dimension, the
+   pairs' token rows times the expert's gate and up rows (two float32 accumulators), + their biases
+   (gpt-oss), the activation (silu(gate) * up, or gpt-oss's clamped SwiGLU) stored: [T*K, I]. The
+   [T*K, 2I] gate/up product is never written.
 3. ``_moe_gemm_kernel`` with MUL_WEIGHT: per block and tile of H, those rows times the expert's down
-   rows, times the pair's routing weight: [T*K, H].
+   rows, + its bias (gpt-oss), times the pair's routing weight: [T*K, H].
 4. Each token's K rows summed (torch, top-k order, as the reference): [T, H].
 
 Tiles come from ``TILES`` by shape and token count (``tile_for``): the fastest of ``SWEEP`` that
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from nanostream.layers.moe import Activation, ClampedSwiGLU
 
 
 @dataclass(frozen=True)
@@ -157,15 +160,18 @@ def align_by_expert(
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # both follow the token count: one compile
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, weights_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr,
+    a_ptr, w_ptr, c_ptr, weights_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr, bias_ptr,
     N, K, num_pairs, num_blocks_m,
-    stride_am, stride_we, stride_wn, stride_cm, up_offset,
-    A_ROW_DIV: tl.constexpr, SILU_AND_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    stride_am, stride_we, stride_wn, stride_cm, up_offset, stride_be, alpha, limit,
+    A_ROW_DIV: tl.constexpr, GATED_ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # Program -> (block of sorted pairs, tile of N), GROUP_M row blocks per band so that they reuse the
     # expert's weight tile from L2. c[pair, n] = sum_k a[pair // A_ROW_DIV, k] * w[expert, n, k]
-    # (w's rows have unit stride along K); SILU_AND_MUL: silu(that) * the same over the rows up_offset on.
+    # (w's rows have unit stride along K) (+ bias[expert, n] with HAS_BIAS); GATED_ACT ("silu" or
+    # "clamped_swiglu"; "" for none): that is the gate, the same over the rows up_offset on (and the bias's
+    # entries N on) the up, and c = act(gate, up). The flags are constexpr: a launch without them compiles to
+    # the plain GEMM.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     band = GROUP_M * num_n
@@ -196,7 +202,7 @@ def _moe_gemm_kernel(
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-        if SILU_AND_MUL:
+        if GATED_ACT != "":
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
             if IEEE:  # noqa: SIM108
                 acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
@@ -204,8 +210,17 @@ def _moe_gemm_kernel(
                 acc_up = tl.dot(a, w_up, acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SILU_AND_MUL:
+    if HAS_BIAS:  # [BLOCK_N] of the expert's bias, added to every pair's row
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(b_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED_ACT != "":
+            acc_up += tl.load(b_ptrs + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED_ACT == "silu":
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif GATED_ACT == "clamped_swiglu":  # gpt-oss: gate clamped above, up on both sides, (up + 1) * swish_alpha(gate)
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :]
@@ -213,7 +228,13 @@ def _moe_gemm_kernel(
 
 
 def _check_layout(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
 ) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(
@@ -236,8 +257,18 @@ def _check_layout(
         raise ValueError(f"rows must be contiguous: strides x {x.stride()}, w13 {w13.stride()}, w2 {w2.stride()}")
     if not topk_weights.is_contiguous():
         raise ValueError(f"topk_weights must be contiguous, got strides {topk_weights.stride()}")
-    if len({t.device for t in (x, w13, w2, topk_weights, topk_ids)}) != 1:
-        raise ValueError("x, the weights and the routing tensors must be on one device")
+    for name, bias, shape in (
+        ("w13_bias", w13_bias, (num_experts, two_i)),
+        ("w2_bias", w2_bias, (num_experts, hidden)),
+    ):
+        if bias is not None and (bias.shape != shape or bias.stride(1) != 1 or not bias.dtype.is_floating_point):
+            raise ValueError(
+                f"{name} must be a float [{', '.join(map(str, shape))}] with contiguous rows; got "
+                f"{tuple(bias.shape)} {bias.dtype}, strides {bias.stride()}"
+            )
+    tensors = (x, w13, w2, topk_weights, topk_ids, *(b for b in (w13_bias, w2_bias) if b is not None))
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("x, the weights, the biases and the routing tensors must be on one device")
 
 
 def fused_moe(
@@ -247,14 +278,23 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: Activation = "silu",
     tile: MoETile | None = None,
 ) -> torch.Tensor:
     """``nanostream.layers.moe.MoEFn``: the routed experts of x [T, H] (unit-stride rows) with w13 [E, 2I, H]
     (gate rows, then up) and w2 [E, H, I] (unit stride along their last dimension), topk_ids / topk_weights
-    [T, K] (contiguous weights, any float dtype: applied in float32); [T, H] in x's dtype.
+    [T, K] (contiguous weights, any float dtype: applied in float32); [T, H] in x's dtype. ``w13_bias``
+    [E, 2I] and ``w2_bias`` [E, H] (gpt-oss) are added to the float32 accumulators, before the activation
+    and the routing weight; ``activation`` is "silu" or gpt-oss's ``ClampedSwiGLU``.
 
     ``tile`` overrides ``tile_for``'s choice (benchmarks)."""
-    _check_layout(x, w13, w2, topk_weights, topk_ids)
+    _check_layout(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
+    clamped = isinstance(activation, ClampedSwiGLU)
+    if not clamped and activation != "silu":
+        raise ValueError(f"fused_moe's activation is 'silu' or a ClampedSwiGLU, not {activation!r}")
+    alpha, limit = (activation.alpha, activation.limit) if clamped else (0.0, 0.0)
     (num_tokens, hidden), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_ids.shape[1]
     inter = two_i // 2
     if num_tokens == 0:
@@ -268,16 +308,20 @@ def fused_moe(
         IEEE=x.dtype == torch.float32, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+    # Without a bias the kernel never reads its pointer (HAS_BIAS is constexpr): w13 / w2 stand in.
     _moe_gemm_kernel[(num_blocks_m * triton.cdiv(inter, tile.block_n),)](
-        x, w13, act, topk_weights, sorted_pairs, block_experts, num_padded,
+        x, w13, act, topk_weights, sorted_pairs, block_experts, num_padded, w13 if w13_bias is None else w13_bias,
         inter, hidden, num_pairs, num_blocks_m,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter * w13.stride(1),
-        A_ROW_DIV=top_k, SILU_AND_MUL=True, MUL_WEIGHT=False, **common,
+        0 if w13_bias is None else w13_bias.stride(0), alpha, limit,
+        A_ROW_DIV=top_k, GATED_ACT="clamped_swiglu" if clamped else "silu", HAS_BIAS=w13_bias is not None,
+        MUL_WEIGHT=False, **common,
     )  # fmt: skip
     _moe_gemm_kernel[(num_blocks_m * triton.cdiv(hidden, tile.block_n),)](
-        act, w2, out, topk_weights, sorted_pairs, block_experts, num_padded,
+        act, w2, out, topk_weights, sorted_pairs, block_experts, num_padded, w2 if w2_bias is None else w2_bias,
         hidden, inter, num_pairs, num_blocks_m,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), 0,
-        A_ROW_DIV=1, SILU_AND_MUL=False, MUL_WEIGHT=True, **common,
+        0 if w2_bias is None else w2_bias.stride(0), 0.0, 0.0,
+        A_ROW_DIV=1, GATED_ACT="", HAS_BIAS=w2_bias is not None, MUL_WEIGHT=True, **common,
     )  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H], each token's K rows in top-k order

@@ -1,5 +1,6 @@
 """The fused MoE kernel (nanostream.kernels.fused_moe) against the torch reference (layers.moe.moe_experts), and
-the reference against a plain per-token loop over each token's experts.
+the reference against a plain per-token loop over each token's experts: SiLU-and-mul experts, and gpt-oss's
+(biases on gate/up and down, the clamped SwiGLU, weights large enough that the clamp bites).
 
 On CPU the kernel runs under Triton's interpreter (small shapes, float32); the gpu-marked cases in
 tests/test_gpu_moe.py run it compiled, in bfloat16, at Qwen3-30B-A3B's and Mixtral's shapes.
@@ -11,12 +12,12 @@ import torch.nn.functional as F
 
 from nanostream.kernels import fused_moe as fused_moe_module
 from nanostream.kernels.fused_moe import TILES, MoETile, align_by_expert, fused_moe, tile_for
-from nanostream.layers.moe import moe_experts
+from nanostream.layers.moe import ClampedSwiGLU, moe_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def per_token_loop(x, w13, w2, weights, ids):
+def per_token_loop(x, w13, w2, weights, ids, w13_bias=None, w2_bias=None, activation="silu"):
     """float64, one token and one of its experts at a time: the definition."""
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     inter = w2.shape[2]
@@ -24,7 +25,13 @@ def per_token_loop(x, w13, w2, weights, ids):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             h = w13[e].double() @ x[t].double()  # [2I]
-            out[t] += weights[t, j].double() * (w2[e].double() @ (F.silu(h[:inter]) * h[inter:]))
+            if w13_bias is not None:
+                h = h + w13_bias[e].double()
+            gate, up = h[:inter], h[inter:]
+            y = w2[e].double() @ (F.silu(gate) * up if activation == "silu" else activation(gate, up))  # [H]
+            if w2_bias is not None:
+                y = y + w2_bias[e].double()
+            out[t] += weights[t, j].double() * y
     return out
 
 
@@ -68,6 +75,36 @@ def test_fused_moe_matches_the_torch_path(case):
         out = fused_moe(x, w13, w2, weights, ids, tile=tile)
         assert out.shape == x.shape and out.dtype == x.dtype
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+GPT_OSS_CASES = {  # (tokens, experts, top-k, hidden, intermediate, the down bias: rank 0's, or none at the others)
+    "one token": (1, 8, 4, 64, 32, True),
+    "uneven loads": (37, 8, 2, 48, 40, True),
+    "a rank past the first (no down bias)": (21, 6, 3, 64, 48, False),
+}
+
+
+@pytest.mark.parametrize("case", GPT_OSS_CASES)
+def test_fused_moe_with_gpt_oss_biases_and_clamped_swiglu_matches_the_torch_path(case):
+    num_tokens, num_experts, k, hidden, inter, down_bias = GPT_OSS_CASES[case]
+    gen = torch.Generator().manual_seed(10 + list(GPT_OSS_CASES).index(case))
+    act = ClampedSwiGLU(alpha=1.702, limit=7.0)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
+    w13, w2 = experts(num_experts, hidden, inter, gen)
+    w13 = w13 * (8 / hidden**0.5 / 0.2)  # gate/up of std ~8: the clamp at 7 bites on both sides
+    w13_bias = torch.randn(num_experts, 2 * inter, generator=gen).to(DEVICE)
+    w2_bias = torch.randn(num_experts, hidden, generator=gen).to(DEVICE) if down_bias else None
+    ids, weights = routing(num_tokens, num_experts, k, gen, skew=True)
+    options = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=act)
+    gate_up = torch.einsum("eih,th->tei", w13, x) + w13_bias  # [T, E, 2I]: every expert's pre-activations
+    assert (gate_up[..., :inter] > act.limit).any() and (gate_up[..., inter:].abs() > act.limit).any()
+    ref = moe_experts(x, w13, w2, weights, ids, **options)
+    exact = per_token_loop(x, w13, w2, weights, ids, **options)
+    torch.testing.assert_close(ref.double(), exact, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(ref, moe_experts(x, w13, w2, weights, ids), atol=1e-2)  # the options matter
+    for tile in [None, MoETile(16, 16, 16, 2), MoETile(32, 32, 32, 1)]:
+        out = fused_moe(x, w13, w2, weights, ids, tile=tile, **options)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
 def runs(pairs, block_experts, num_padded, block_m) -> dict[int, list[int]]:
@@ -121,6 +158,12 @@ def test_the_launcher_checks_layouts():
         fused_moe(x.double(), w13, w2, weights, ids)
     with pytest.raises(ValueError, match="topk_weights must be contiguous"):
         fused_moe(x, w13, w2, weights.t().contiguous().t(), ids)
+    with pytest.raises(ValueError, match=r"w13_bias must be a float \[4, 32\]"):
+        fused_moe(x, w13, w2, weights, ids, w13_bias=torch.zeros(4, 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"w2_bias must be a float \[4, 32\] with contiguous rows"):
+        fused_moe(x, w13, w2, weights, ids, w2_bias=torch.zeros(32, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match="activation is 'silu' or a ClampedSwiGLU, not 'gelu'"):
+        fused_moe(x, w13, w2, weights, ids, activation="gelu")
 
 
 def test_tiles_come_from_the_table_by_token_count():

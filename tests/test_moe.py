@@ -195,9 +195,9 @@ def test_dummy_weights_keep_a_deep_bfloat16_forward_finite(tmp_path):
 def test_the_moe_block_runs_the_kernel_its_layer_kernels_name(moe_dirs):
     calls = []
 
-    def counting(x, w13, w2, weights, ids):
-        calls.append(tuple(ids.shape))
-        return moe_experts(x, w13, w2, weights, ids)
+    def counting(x, w13, w2, weights, ids, **options):
+        calls.append((tuple(ids.shape), options))
+        return moe_experts(x, w13, w2, weights, ids, **options)
 
     spec = decoder_spec(AutoConfig.from_pretrained(moe_dirs["qwen2_moe"]), max_model_len=512)
     kernels = LayerKernels(TorchAttention(), moe=counting)
@@ -205,7 +205,7 @@ def test_the_moe_block_runs_the_kernel_its_layer_kernels_name(moe_dirs):
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["SparseMoE", "MLP", "SparseMoE"]
     with torch.inference_mode():
         model.model.layers[0].mlp(torch.randn(5, spec.hidden_size))
-    assert calls == [(5, 2)]
+    assert calls == [((5, 2), dict(w13_bias=None, w2_bias=None, activation="silu"))]  # Qwen's experts: no bias
     assert json.loads((moe_dirs["qwen2_moe"] / "config.json").read_text())["mlp_only_layers"] == [1]
 
 
