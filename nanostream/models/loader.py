@@ -146,8 +146,8 @@ and a bfloat16 forward stays finite; norm weights are near 1."""
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter with random values (``load_format="dummy"``: benchmarks of a shape without a
-    checkpoint): norm weights 1 + U(-0.05, 0.05), biases N(0, 0.02^2), matrices and stacked experts
-    N(0, (DUMMY_GAIN / sqrt(fan_in))^2) (fan_in: the last dimension).
+    checkpoint): norm weights 1 + U(-0.05, 0.05), biases (the stacked experts' too) N(0, 0.02^2), matrices and
+    stacked experts N(0, (DUMMY_GAIN / sqrt(fan_in))^2) (fan_in: the last dimension).
 
     Each parameter's values come from a generator seeded by its name (and ``seed``) on its own device, so
     every tensor-parallel rank holds the same router, norms and biases."""
@@ -155,7 +155,7 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if param.dim() == 1 and name.endswith("norm.weight"):
             param.uniform_(0.95, 1.05, generator=gen)
-        elif param.dim() == 1:
+        elif param.dim() == 1 or name.endswith("_bias"):  # gpt-oss's experts' biases are [E, n]
             param.normal_(0.0, 0.02, generator=gen)
         else:
             param.normal_(0.0, DUMMY_GAIN / param.shape[-1] ** 0.5, generator=gen)
