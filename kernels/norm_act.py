@@ -1,4 +1,4 @@
-"""RMSNorm (with the residual add before it) and SiLU-and-mul, one Triton kernel each.
+"""RMSNorm (with the residual add before it) and the gated activations (SiLU, tanh GELU), one Triton kernel each.
 
 They do what ``nanostream.layers.norm.RMSNorm`` and ``nanostream.layers.activation.SiluAndMul`` do, with
 the roundings of those modules run eagerly (Hugging Face's order of operations). Each costs a kernel
@@ -16,8 +16,8 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, eps,
-    SIZE: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+    stride_x, stride_r, stride_o, stride_ro, eps, weight_offset,
+    SIZE: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, F32_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     # One program per row: s = x (+ residual), stored as the new residual; out = w * (s / rms(s)).
     row = tl.program_id(0).to(tl.int64)
@@ -31,16 +31,23 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(xf * xf, 0) / SIZE + eps)
     w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
-    # As the module: the normalised value is cast to the model dtype before the weight.
-    tl.store(out_ptr + row * stride_o + offs, (w * (xf * r).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+    if F32_WEIGHT:  # OLMo 2, gpt-oss, Gemma (offset 1): the product with the weight in float32, then cast
+        tl.store(out_ptr + row * stride_o + offs, (xf * r * (w + weight_offset)).to(dtype), mask=mask)
+    else:  # Llama's order: the normalised value is cast to the model dtype before the weight
+        tl.store(out_ptr + row * stride_o + offs, (w * (xf * r).to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_offset: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward``: ``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``.
 
     x, residual: [..., H] with unit stride in the last dimension; weight: [H]. Results are new tensors.
+    ``weight_offset``: None rounds as Llama; a number multiplies by ``weight + offset`` in float32.
     """
     size = x.shape[-1]
     assert weight.shape == (size,), (weight.shape, x.shape)
@@ -56,8 +63,9 @@ def rms_norm(
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res, weight, out, res_out,
-            x2.stride(0), res.stride(0), out.stride(0), res_out.stride(0), eps,
+            x2.stride(0), res.stride(0), out.stride(0), res_out.stride(0), eps, float(weight_offset or 0.0),
             SIZE=size, BLOCK=triton.next_power_of_2(size), RESIDUAL=residual is not None,
+            F32_WEIGHT=weight_offset is not None,
             num_warps=min(max(triton.next_power_of_2(size) // 256, 1), 16),
         )  # fmt: skip
     if residual is None:
@@ -66,27 +74,42 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    # Program (row, tile): out[row, tile] = silu(gate) * up, gate and up the two halves of x's row.
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr
+):
+    # Program (row, tile): out[row, tile] = act(gate) * up, gate and up the two halves of x's row.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + SIZE + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # As eager torch: silu(gate) is rounded to the model dtype before the product.
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    # As eager torch: act(gate) is rounded to the model dtype before the product.
+    if GELU_TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = (gate * tl.sigmoid(2.0 * z)).to(dtype).to(tl.float32)
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``SiluAndMul.forward``: silu(gate) * up of x = [gate | up], [T, 2 I] with contiguous rows; [T, I]."""
+    return _act_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (tanh GELU) of x = [gate | up], [T, 2 I] with contiguous rows; [T, I]."""
+    return _act_and_mul(x, gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, (x.shape, x.stride())
     size = x.shape[1] // 2
     out = torch.empty(x.shape[0], size, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(size), 1024)
     if x.shape[0]:
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(size, block))](
-            x, out, x.stride(0), out.stride(0), SIZE=size, BLOCK=block
+        _act_and_mul_kernel[(x.shape[0], triton.cdiv(size, block))](
+            x, out, x.stride(0), out.stride(0), SIZE=size, BLOCK=block, GELU_TANH=gelu_tanh
         )
     return out

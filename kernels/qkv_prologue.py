@@ -14,22 +14,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr):
+def _norm_rope(
+    x1, x2, w1, w2, cos, sin, eps, weight_offset,
+    HEAD_DIM: tl.constexpr, NORM: tl.constexpr, F32_WEIGHT: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
     # x1, x2: [H, HALF] float32 halves of each head. The roundings follow the unfused modules: the norm's
-    # result is cast to the model dtype before the weight, the weighted result stored, then rotated.
+    # result is cast to the model dtype before the weight (Gemma's: times weight + 1 in float32), the
+    # weighted result stored, then rotated.
     if NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-        x1 = (w1[None, :] * (x1 * r).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-        x2 = (w2[None, :] * (x2 * r).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        if F32_WEIGHT:
+            x1 = (x1 * r * (w1[None, :] + weight_offset)).to(DTYPE).to(tl.float32)
+            x2 = (x2 * r * (w2[None, :] + weight_offset)).to(DTYPE).to(tl.float32)
+        else:
+            x1 = (w1[None, :] * (x1 * r).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+            x2 = (w2[None, :] * (x2 * r).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
     return (x1 * cos - x2 * sin).to(DTYPE), (x2 * cos + x1 * sin).to(DTYPE)
 
 
 @triton.jit
 def _qkv_prologue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_t, stride_qo, stride_cs, stride_cos, eps,
+    stride_t, stride_qo, stride_cs, stride_cos, eps, weight_offset,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+    F32_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     # One program per token: its q heads go to q_out, its k (normed, rotated) and v heads to slot `slot`.
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -53,7 +62,7 @@ def _qkv_prologue_kernel(
     offs = h * HEAD_DIM + j[None, :]
     x1 = tl.load(row + offs, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(row + offs + HALF, mask=m, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, HEAD_DIM, NORM, DTYPE)
+    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
     tl.store(q_out_ptr + t * stride_qo + offs, o1, mask=m)
     tl.store(q_out_ptr + t * stride_qo + offs + HALF, o2, mask=m)
 
@@ -66,7 +75,7 @@ def _qkv_prologue_kernel(
     k_row = row + NUM_HEADS * HEAD_DIM
     x1 = tl.load(k_row + offs, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(k_row + offs + HALF, mask=m, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rope(x1, x2, kw1, kw2, cos, sin, eps, HEAD_DIM, NORM, DTYPE)
+    o1, o2 = _norm_rope(x1, x2, kw1, kw2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
     cache_ty = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + slot * stride_cs + offs, o1.to(cache_ty), mask=m)
     tl.store(k_cache_ptr + slot * stride_cs + offs + HALF, o2.to(cache_ty), mask=m)
@@ -91,13 +100,15 @@ def qkv_prologue(
     num_heads: int,
     num_kv_heads: int,
     out: torch.Tensor | None = None,
+    weight_offset: float | None = None,
 ) -> torch.Tensor:
     """The rotated (and, with norm weights, QK-normed) queries [T, Hq, D]; k and v go to the caches.
 
     qkv: [T, (Hq + 2 Hkv) D], the q, k, v projections side by side, rows with unit stride. positions:
     [T] int64. cos, sin: [max_position, D / 2] float32 (rotate-half layout). Norm weights: [D], both or
     neither. The caches: [num_blocks, block_size, Hkv, D], contiguous; slot_mapping [T] int64, -1 = skip.
-    ``out``: where the queries go (contiguous), else a new tensor.
+    ``out``: where the queries go (contiguous), else a new tensor. ``weight_offset``: the norms' rounding
+    (``nanostream.layers.norm``): None as Llama's, a number multiplies by weight + offset in float32.
     """
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -122,9 +133,9 @@ def qkv_prologue(
         qkv, positions, cos, sin,
         q_norm_weight if norm else cos, k_norm_weight if norm else cos,  # unread without a norm
         q, k_cache, v_cache, slot_mapping,
-        qkv.stride(0), q.stride(0), num_kv_heads * head_dim, cos.stride(0), eps,
+        qkv.stride(0), q.stride(0), num_kv_heads * head_dim, cos.stride(0), eps, float(weight_offset or 0.0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, F32_WEIGHT=weight_offset is not None,
     )  # fmt: skip
     return q

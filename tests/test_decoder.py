@@ -7,7 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    Gemma3TextConfig,
+    Glm4Config,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
 from nanostream import LLM, ModelLoadError
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
@@ -24,7 +36,8 @@ from nanostream.sampling_params import SamplingParams
 
 ALL = (
     "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM"
+    "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, "
+    "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, MixtralForCausalLM"
 )
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -39,14 +52,74 @@ def test_each_declaration_reads_its_config():
     qwen2 = spec_of(Qwen2Config, "Qwen2ForCausalLM", tie_word_embeddings=True)
     assert (qwen2.qk_norm, qwen2.qkv_bias, qwen2.o_bias, qwen2.tie_word_embeddings) == (False, True, False, True)
     llama = spec_of(LlamaConfig, "LlamaForCausalLM", mlp_bias=True, rope_theta=500000.0)
-    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.rope_theta, llama.rope_scaling) == (
-        False, False, True, 500000.0, None,
-    )  # fmt: skip
+    assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.rope) == (False, False, True, rotary.RopeSpec(5e5))
     scaled = spec_of(LlamaConfig, "LlamaForCausalLM", rope_scaling=dict(rope_type="llama3", factor=32.0,
                      low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))  # fmt: skip
-    assert scaled.rope_scaling == rotary.Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
+    assert scaled.rope.scaling == rotary.Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
     mistral = spec_of(MistralConfig, "MistralForCausalLM", sliding_window=None)
     assert (mistral.qk_norm, mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias) == (False,) * 4
+
+
+def test_the_dense_families_declare_how_they_depart():
+    gemma = spec_of(Gemma3TextConfig, "Gemma3ForCausalLM", head_dim=16, query_pre_attn_scalar=64, sliding_window=32,
+                    final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    assert (gemma.norms.mlp_out, gemma.norm_weight_offset, gemma.activation, gemma.scale_embeddings) == (
+        "post_feedforward_layernorm", 1.0, "gelu_tanh", True,
+    )  # fmt: skip
+    assert (gemma.attention_scale, gemma.final_logit_softcap, gemma.layer_windows) == (0.125, 30.0, (32, None))
+    assert (gemma.rope.theta, gemma.sliding_rope.theta) == (1e6, 1e4)  # the local base on the sliding layers
+    granite = spec_of(GraniteConfig, "GraniteForCausalLM", embedding_multiplier=12.0, residual_multiplier=0.22,
+                      attention_multiplier=0.0078125, logits_scaling=8.0)  # fmt: skip
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_scale) == (12.0, 0.22, 2**-7)
+    assert granite.logits_divisor == 8.0
+    olmo = spec_of(Olmo2Config, "Olmo2ForCausalLM")
+    assert (olmo.norms.attn_in, olmo.norms.mlp_in, olmo.qk_norm_whole, olmo.norm_weight_offset) == (None, None, True, 0)
+    smol = spec_of(SmolLM3Config, "SmolLM3ForCausalLM", no_rope_layers=[1, 0])
+    assert smol.rope_layers == (True, False)
+    glm = spec_of(Glm4Config, "Glm4ForCausalLM", head_dim=16)
+    assert (glm.rope.rotary_dim, glm.rope.interleaved, glm.qkv_bias, glm.o_bias) == (8, True, True, False)
+    phi = spec_of(Phi3Config, "Phi3ForCausalLM", sliding_window=64, max_model_len=512)
+    assert phi.layer_windows == (64, 64)  # every layer slides
+
+
+def test_sliding_windows_per_layer_and_only_where_they_hide_tokens():
+    assert spec_of(MistralConfig, "MistralForCausalLM", max_model_len=32768, sliding_window=4096).layer_windows == (
+        4096, 4096,
+    )  # fmt: skip
+    assert spec_of(MistralConfig, "MistralForCausalLM", max_model_len=4096, sliding_window=4096).layer_windows == ()
+    # Qwen's window counts only where use_sliding_window turns it on, and from max_window_layers up
+    assert spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096).layer_windows == ()
+    qwen2 = spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096,
+                    use_sliding_window=True, max_window_layers=1)  # fmt: skip
+    assert qwen2.layer_windows == (None, 4096)
+    with pytest.raises(ModelLoadError, match="sliding_window=0"):
+        spec_of(MistralConfig, "MistralForCausalLM", sliding_window=0)
+
+
+@pytest.mark.parametrize(
+    "config_cls, arch, kwargs, expected",
+    [
+        (
+            LlamaConfig,
+            "LlamaForCausalLM",
+            dict(quantization_config={"quant_method": "mxfp4"}),
+            "quantized with 'mxfp4'",
+        ),
+        (Gemma3TextConfig, "Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (Gemma3TextConfig, "Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "bidirectional"),
+        (Gemma3TextConfig, "Gemma3ForCausalLM", dict(hidden_activation="relu"), "hidden_activation='relu'"),
+        (LlamaConfig, "LlamaForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'.*runs silu, swish"),
+        (
+            Qwen3Config,
+            "Qwen3ForCausalLM",
+            dict(layer_types=["chunked_attention"] * 2, sliding_window=8, use_sliding_window=True),
+            "chunked_attention",
+        ),
+    ],
+)
+def test_what_the_decoder_does_not_run_is_refused_by_name(config_cls, arch, kwargs, expected):
+    with pytest.raises(ModelLoadError, match=expected):
+        spec_of(config_cls, arch, **kwargs)
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
@@ -58,9 +131,15 @@ def test_unsupported_architecture_lists_the_supported_ones():
 @pytest.mark.parametrize(
     "config_cls, arch, rope, expected",
     [
-        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="yarn", factor=4.0), "nanostream runs default, llama3"),
-        (Qwen3Config, "Qwen3ForCausalLM", dict(rope_type="llama3", factor=8.0), "nanostream runs default$"),
-        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="llama3", factor=8.0), "lacks low_freq_factor"),
+        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="dynamic", factor=4.0), "runs default, linear, yarn, llama3"),
+        (
+            Qwen3Config,
+            "Qwen3ForCausalLM",
+            dict(rope_type="llama3", factor=8.0),
+            "runs default, linear, yarn$",
+        ),
+        (LlamaConfig, "LlamaForCausalLM", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        (LlamaConfig, "LlamaForCausalLM", dict(rope_type="llama3", factor=8.0), "lack low_freq_factor"),
     ],
 )
 def test_unsupported_rope_is_refused(config_cls, arch, rope, expected):
@@ -68,16 +147,6 @@ def test_unsupported_rope_is_refused(config_cls, arch, rope, expected):
     config.rope_parameters = {"rope_theta": 10000.0, **rope}  # as config.json would give it
     with pytest.raises(ModelLoadError, match=expected):
         decoder_spec(config, max_model_len=1024)
-
-
-def test_sliding_window_shorter_than_max_model_len_is_refused():
-    with pytest.raises(ModelLoadError, match="over 4096 tokens.*set max_model_len=4096"):
-        spec_of(MistralConfig, "MistralForCausalLM", max_model_len=32768, sliding_window=4096)
-    assert spec_of(MistralConfig, "MistralForCausalLM", max_model_len=4096, sliding_window=4096)
-    # Qwen's window counts only where use_sliding_window turns it on
-    assert spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096)
-    with pytest.raises(ModelLoadError, match="over 4096 tokens"):
-        spec_of(Qwen2Config, "Qwen2ForCausalLM", max_model_len=32768, sliding_window=4096, use_sliding_window=True)
 
 
 def test_checkpoint_of_another_architecture_is_refused(qwen3_dir, tmp_path):

@@ -1,4 +1,8 @@
-"""SiLU-and-mul, the gated activation of the decoder's MLP."""
+"""The gated activations of the decoder's MLP: act(gate) * up of a fused [gate | up] projection.
+
+``ACTIVATIONS`` maps a config's ``hidden_act`` (or Gemma's ``hidden_activation``) to the reference of
+each; ``LayerKernels`` holds the implementation the layers run (these, compiled forms, or Triton's).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +19,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``): gelu(gate) * up."""
+    gate, up = x.chunk(2, -1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+"""A config's activation name -> the gated activation nanostream runs for it (``LayerKernels.gated``)."""
+
+
 class SiluAndMul(nn.Module):
-    """``kernel`` (fixed at construction): ``silu_and_mul``, a torch.compile'd form of it, or
-    ``nanostream.kernels.norm_act.silu_and_mul``."""
+    """A gated activation; ``kernel`` (fixed at construction): ``silu_and_mul``, ``gelu_tanh_and_mul``, a
+    torch.compile'd form of either, or ``nanostream.kernels.norm_act``'s."""
 
     def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
         super().__init__()

@@ -6,11 +6,13 @@ context; the earlier context lives in the KV pool at the blocks of ``block_table
 chunked prefill, prefix-cache hits and decode are all this one shape (decode: one query token).
 
 ``Attention`` takes the fused qkv projection's output and does everything up to the attention
-output: QK-norm (where the model has it), rotary embedding, the store of the new K/V at
+output: QK-norm (where the model has it: per head, or over the whole projection as OLMo 2's),
+rotary embedding (where the layer has it), the store of the new K/V at
 ``slot_mapping`` (-1: a padding token, stored nowhere), attention through its backend
 (layers/attention_backend.py). How is fixed when the layer is built: with a backend that brings a
 fused prologue (Triton), one kernel norms, rotates and stores; otherwise the modules do, and the
-backend stores. What changes per step (``AttentionMetadata``, the KV pool) comes in ``ForwardContext``.
+backend stores. What changes per step (``AttentionMetadata``, the KV pool) comes in ``ForwardContext``;
+what is the layer's own (its softmax scale, sliding window, gpt-oss's sinks) is fixed when it is built.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.linear import TensorSlice
 from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
 from nanostream.layers.rotary import RotaryEmbedding
 
@@ -33,12 +36,30 @@ class ForwardContext:
     kv_caches: list[KVCache]  # one per layer, views of the KV pool
 
 
+class HeadSinks(nn.Module):
+    """gpt-oss's attention sinks: one learned logit per query head (this rank's ``heads``), float32."""
+
+    def __init__(self, heads: range) -> None:
+        super().__init__()
+        self.heads = heads
+        self.weight = nn.Parameter(torch.zeros(len(heads), dtype=torch.float32))
+
+    def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> None:
+        part = loaded[self.heads.start : self.heads.stop]
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(f"sinks of shape {tuple(part.shape)} for this rank's {len(self.heads)} heads")
+        param.data.copy_(part)
+
+
 class Attention(nn.Module):
     """qkv [T, (Hq + 2 Hkv) D] of the step's new tokens -> attention output [T, Hq D].
 
     ``qk_norm_eps``: RMSNorm each head's q and k first (Qwen3's QK-norm; ``q_norm``/``k_norm`` hold the
-    weights). ``rotary`` is the model's one table, shared by its layers. ``norm_kernel`` runs the QK-norm
-    where no fused prologue does.
+    weights), or with ``qk_norm_whole`` the whole q and k projections (OLMo 2). ``rotary``: the model's
+    table for this layer's kind, shared by its layers; None: no rotary embedding (SmolLM3's NoPE layers).
+    ``norm_kernel`` runs the QK-norm where no fused prologue does. ``scale``: the softmax scale (None:
+    head_dim ** -0.5); ``window``: a sliding window of that many positions, itself included; ``sinks``:
+    gpt-oss's per-head sink logits.
     """
 
     def __init__(
@@ -47,39 +68,66 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         backend: AttentionBackend,
         qk_norm_eps: float | None = None,
         norm_kernel: RMSNormFn = rms_norm,
+        *,
+        norm_weight_offset: float | None = None,
+        qk_norm_whole: bool = False,
+        scale: float | None = None,
+        window: int | None = None,
+        sinks: HeadSinks | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        self.scale = head_dim**-0.5
-        self.rotary = rotary
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.sinks = sinks
         self.backend = backend
         self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
+        self.rotary = rotary
+        if rotary is None:  # the prologue rotates by an identity table: cos 1, sin 0
+            self.register_buffer("_cos", torch.ones(1, head_dim // 2, dtype=torch.float32), persistent=False)
+            self.register_buffer("_sin", torch.zeros(1, head_dim // 2, dtype=torch.float32), persistent=False)
         self.qk_norm = qk_norm_eps is not None
+        self.qk_norm_whole = self.qk_norm and qk_norm_whole
         if self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel)
+            q_size, k_size = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm_whole else (head_dim, head_dim)
+            self.q_norm = RMSNorm(q_size, qk_norm_eps, norm_kernel, norm_weight_offset)
+            self.k_norm = RMSNorm(k_size, qk_norm_eps, norm_kernel, norm_weight_offset)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # positions: [T], qkv: [T, (Hq + 2 Hkv) D]
         cache = ctx.kv_caches[self.layer_idx]
+        options = {}  # the backend's defaults (full attention, no sinks) unless this layer departs from them
+        if self.window is not None:
+            options["window"] = self.window
+        if self.sinks is not None:
+            options["sinks"] = self.sinks.weight
+        if self.qk_norm_whole:
+            q, k, v = qkv.split(self.split_sizes, -1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), -1)
         if self.prologue is not None:
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            per_head = self.qk_norm and not self.qk_norm_whole
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 0.0)
+            if self.rotary is None:  # every position reads row 0 of the identity table
+                positions, cos, sin = torch.zeros_like(positions), self._cos, self._sin
+            else:
+                cos, sin = self.rotary.cos, self.rotary.sin
             q = self.prologue(
-                qkv, positions, self.rotary.cos, self.rotary.sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
-                self.num_heads, self.num_kv_heads,
+                qkv, positions, cos, sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
+                self.num_heads, self.num_kv_heads, weight_offset=self.q_norm.weight_offset if per_head else None,
             )  # fmt: skip
-            return self.backend.attend(q, cache, ctx.attn, self.scale).flatten(1)
+            return self.backend.attend(q, cache, ctx.attn, self.scale, **options).flatten(1)
         q, k, v = qkv.split(self.split_sizes, -1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale).flatten(1)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale, **options).flatten(1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanostream.layers.activation import silu_and_mul
+from nanostream.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
 from nanostream.layers.moe import MoEFn, moe_experts
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
@@ -44,6 +44,7 @@ class LayerKernels:
     attention: AttentionBackend
     rms_norm: RMSNormFn = rms_norm
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
     rotary: RotaryFn = apply_rotary  # unused where the attention backend's prologue rotates
     moe: MoEFn = moe_experts  # the routed experts of the MoE layers
 
@@ -54,19 +55,29 @@ class LayerKernels:
         kernels = LayerKernels.for_backend(get_backend("auto", device, ...), compile=device.type == "cuda")
         """
         if backend.prologue is not None:
+            from nanostream.kernels import norm_act
             from nanostream.kernels.fused_moe import fused_moe
-            from nanostream.kernels.norm_act import rms_norm as triton_rms_norm
-            from nanostream.kernels.norm_act import silu_and_mul as triton_silu_and_mul
 
-            return cls(backend, rms_norm=triton_rms_norm, silu_and_mul=triton_silu_and_mul, moe=fused_moe)
+            return cls(
+                backend,
+                rms_norm=norm_act.rms_norm,
+                silu_and_mul=norm_act.silu_and_mul,
+                gelu_tanh_and_mul=norm_act.gelu_tanh_and_mul,
+                moe=fused_moe,
+            )
         if compile:
             return cls(
                 backend,
                 rms_norm=compiled_rms_norm(compile_elementwise),
                 silu_and_mul=compile_elementwise(silu_and_mul),
+                gelu_tanh_and_mul=compile_elementwise(gelu_tanh_and_mul),
                 rotary=compile_elementwise(apply_rotary),
             )
         return cls(backend)
+
+    def gated(self, activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The gated activation named as ``layers.activation.ACTIVATIONS`` names them ("silu", "gelu_tanh")."""
+        return {"silu": self.silu_and_mul, "gelu_tanh": self.gelu_tanh_and_mul}[activation]
 
 
 @functools.cache

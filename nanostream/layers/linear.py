@@ -51,6 +51,19 @@ class MergedColumnLinear(nn.Linear):
             raise ValueError(f"shard {shard!r} has {_rows(loaded)} rows, expected {total}")
         param.data[offset : offset + len(rows)].copy_(loaded[rows.start : rows.stop])
 
+    def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> list[str]:
+        """A checkpoint that fuses the parts already (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``): each
+        part's rows, in ``parts`` order, from its place in the fused tensor; the parts it filled."""
+        expected = sum(total for _, total in self.parts.values())
+        if _rows(loaded) != expected:
+            raise ValueError(f"a fused tensor of {_rows(loaded)} rows, expected {expected} ({', '.join(self.parts)})")
+        start = 0
+        for name, (rows, total) in self.parts.items():
+            offset = self.shard_offsets[name]
+            param.data[offset : offset + len(rows)].copy_(loaded[start + rows.start : start + rows.stop])
+            start += total
+        return list(self.parts)
+
 
 class RowParallelLinear(nn.Linear):
     """``columns`` of a linear layer's input features; the partial products of the ranks are summed.

@@ -1,4 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+Families round it two ways (both with float32 statistics): Llama's casts the normalised value to the model
+dtype before the weight; OLMo 2's and gpt-oss's multiply by the weight in float32 and cast the product,
+and Gemma's does the same with ``1 + weight``. ``weight_offset`` says which: None for Llama's, else the
+offset added to the float32 weight (0.0 or 1.0).
+"""
 
 from __future__ import annotations
 
@@ -9,27 +15,35 @@ import torch
 from torch import nn
 
 RMSNormFn = Callable[..., Any]
-"""``(x, weight, eps, residual=None)`` -> ``norm(x)``, or with ``residual`` ``(norm(x + residual), x + residual)``:
-this module's ``rms_norm``, a torch.compile'd form of it, or ``nanostream.kernels.norm_act.rms_norm``."""
+"""``(x, weight, eps, residual=None, weight_offset=None)`` -> ``norm(x)``, or with ``residual``
+``(norm(x + residual), x + residual)``: this module's ``rms_norm``, a torch.compile'd form of it, or
+``nanostream.kernels.norm_act.rms_norm``."""
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Statistics in float32, result cast back before the weight (as Hugging Face's models do).
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float | None = None) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    if weight_offset is None:
+        return weight * xf.to(x.dtype)
+    return (xf * (weight.float() + weight_offset)).to(x.dtype)
 
 
-def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset=None):
     x = x + residual
-    return _norm(x, weight, eps), x
+    return _norm(x, weight, eps, weight_offset), x
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_offset: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The reference: ``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``. x: [..., H]."""
-    return _norm(x, weight, eps) if residual is None else _add_norm(x, residual, weight, eps)
+    if residual is None:
+        return _norm(x, weight, eps, weight_offset)
+    return _add_norm(x, residual, weight, eps, weight_offset)
 
 
 def compiled_rms_norm(compile: Callable[[Callable], Callable]) -> RMSNormFn:
@@ -37,8 +51,10 @@ def compiled_rms_norm(compile: Callable[[Callable], Callable]) -> RMSNormFn:
     few variants: rank, a batch of one)."""
     norm, add_norm = compile(_norm), compile(_add_norm)
 
-    def forward(x, weight, eps, residual=None):
-        return norm(x, weight, eps) if residual is None else add_norm(x, residual, weight, eps)
+    def forward(x, weight, eps, residual=None, weight_offset=None):
+        if residual is None:
+            return norm(x, weight, eps, weight_offset)
+        return add_norm(x, residual, weight, eps, weight_offset)
 
     return forward
 
@@ -47,9 +63,9 @@ class RMSNorm(nn.Module):
     """``kernel`` (fixed at construction) computes it: the torch reference unless the model was built with
     another (``nanostream.layers.layer_kernels.LayerKernels``)."""
 
-    def __init__(self, size: int, eps: float, kernel: RMSNormFn = rms_norm) -> None:
+    def __init__(self, size: int, eps: float, kernel: RMSNormFn = rms_norm, weight_offset: float | None = None) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_offset = eps, weight_offset
         self.weight = nn.Parameter(torch.ones(size))
         self.kernel = kernel
 
@@ -57,4 +73,4 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
-        return self.kernel(x, self.weight, self.eps, residual)
+        return self.kernel(x, self.weight, self.eps, residual, self.weight_offset)

@@ -58,4 +58,5 @@ def load_model(
         load_dummy_weights(model)
     else:
         load_weights(model, path)
+    model.after_loading()
     return model.eval()

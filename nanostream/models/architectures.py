@@ -1,8 +1,10 @@
 """The supported architectures, one declaration each, and reading a config.json into a ``DecoderSpec``.
 
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
-from it. Sizes, epsilon, rope theta and tied embeddings always come from the config itself; so do the
-experts of a mixture-of-experts family, under the config keys its ``Experts`` declaration names.
+from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
+come from the config itself; so do the experts of a mixture-of-experts family, under the config keys its
+``Experts`` declaration names. What a config asks for that nanostream does not run (a rope type, an
+activation, a quantization method, attention logit soft-capping) is refused with its name.
 """
 
 from __future__ import annotations
@@ -11,9 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanostream.errors import ModelLoadError
+from nanostream.layers.activation import ACTIVATIONS
 from nanostream.layers.moe import MoESpec
-from nanostream.layers.rotary import Llama3RopeScaling
-from nanostream.models.decoder import DecoderSpec
+from nanostream.layers.rotary import RopeSpec, rope_spec
+from nanostream.models.decoder import DecoderSpec, LayerNorms
+
+LLAMA_NORMS = LayerNorms()
+GEMMA_NORMS = LayerNorms(
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+)
+GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+ROPES = ("default", "linear", "yarn")
+"""The rope types of transformers' generic rotary embedding that a family's configs use."""
 
 
 @dataclass(frozen=True)
@@ -47,26 +59,77 @@ class Architecture:
     """The config key that, when true, puts biases on gate, up and down."""
     rope_types: tuple[str, ...] = ("default",)
     """The rotary embeddings (``rope_type``) it may declare."""
+    partial_rotary: bool = False
+    """It honours partial_rotary_factor (Phi-3, GLM-4); elsewhere a factor other than 1 is refused."""
+    interleaved_rotary: bool = False
+    """It rotates pairs of neighbouring dims (GLM-4), not the two halves of a head."""
     sliding_window_switch: str | None = None
     """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
     experts: Experts | None = None
     """A mixture-of-experts family's MoE layers; None: a dense decoder."""
+    norms: LayerNorms = LLAMA_NORMS
+    """Where its norms sit in a layer, under their checkpoint names."""
+    norm_weight_offset: float | None = None
+    """How its norms round (layers/norm.py): None as Llama's; 0.0 or 1.0 (Gemma's 1 + w) in float32."""
+    qk_norm_whole: bool = False
+    """The QK-norms span the whole q and k projections (OLMo 2), not each head."""
+    activation_key: str = "hidden_act"
+    """The config key naming the MLP's activation."""
+    scale_embeddings: bool = False
+    """The embeddings times sqrt(hidden_size) (Gemma)."""
+    multipliers: bool = False
+    """Granite's embedding_multiplier, residual_multiplier, attention_multiplier and logits_scaling."""
+    query_pre_attn_scalar: bool = False
+    """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma), not head_dim ** -0.5."""
+    final_logit_softcap: bool = False
+    """The config's final_logit_softcapping caps the logits (Gemma)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head in every softmax (gpt-oss)."""
+    no_rope_layers: bool = False
+    """The config's no_rope_layers (0: no rotary embedding in that layer) (SmolLM3)."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(
-        qk_norm=True, attention_bias_key="attention_bias", sliding_window_switch="use_sliding_window"
+        qk_norm=True, attention_bias_key="attention_bias", sliding_window_switch="use_sliding_window", rope_types=ROPES
     ),
-    "Qwen2ForCausalLM": Architecture(qkv_bias=True, sliding_window_switch="use_sliding_window"),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True, sliding_window_switch="use_sliding_window", rope_types=ROPES),
     "LlamaForCausalLM": Architecture(
-        attention_bias_key="attention_bias", mlp_bias_key="mlp_bias", rope_types=("default", "llama3")
+        attention_bias_key="attention_bias", mlp_bias_key="mlp_bias", rope_types=(*ROPES, "llama3")
     ),
-    "MistralForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(rope_types=ROPES),
     "Qwen3MoeForCausalLM": Architecture(
         qk_norm=True, attention_bias_key="attention_bias", sliding_window_switch="use_sliding_window", experts=Experts()
     ),
     "Qwen2MoeForCausalLM": Architecture(
         qkv_bias_key="qkv_bias", sliding_window_switch="use_sliding_window", experts=Experts(shared_expert=True)
+    ),
+    "Gemma3ForCausalLM": Architecture(
+        qk_norm=True,
+        attention_bias_key="attention_bias",
+        norms=GEMMA_NORMS,
+        norm_weight_offset=1.0,
+        activation_key="hidden_activation",
+        scale_embeddings=True,
+        query_pre_attn_scalar=True,
+        final_logit_softcap=True,
+        rope_types=("default", "linear"),
+    ),
+    "Phi3ForCausalLM": Architecture(rope_types=("default", "longrope"), partial_rotary=True),
+    "Olmo2ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_whole=True, attention_bias_key="attention_bias", norms=OLMO2_NORMS, norm_weight_offset=0.0
+    ),
+    "GraniteForCausalLM": Architecture(
+        attention_bias_key="attention_bias", mlp_bias_key="mlp_bias", multipliers=True, rope_types=(*ROPES, "llama3")
+    ),
+    "SmolLM3ForCausalLM": Architecture(
+        attention_bias_key="attention_bias",
+        mlp_bias_key="mlp_bias",
+        sliding_window_switch="use_sliding_window",
+        no_rope_layers=True,
+    ),
+    "Glm4ForCausalLM": Architecture(
+        qkv_bias_key="attention_bias", norms=GLM_NORMS, partial_rotary=True, interleaved_rotary=True
     ),
     "MixtralForCausalLM": Architecture(
         experts=Experts(
@@ -85,26 +148,38 @@ def supported_list() -> str:
     return ", ".join(SUPPORTED_ARCHITECTURES)
 
 
-def _rope(hf_config: Any, arch_name: str, arch: Architecture) -> tuple[float, Llama3RopeScaling | None]:
+def _rope_params(hf_config: Any) -> dict:
     # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta.
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in arch.rope_types:
-        raise ModelLoadError(
-            f"rope type {rope_type!r} is not supported for {arch_name}; nanostream runs {', '.join(arch.rope_types)}"
+    return dict(params)
+
+
+def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
+    """The rotary embedding of the (full) layers and, where the family gives its sliding layers their own
+    (Gemma 3's local base), theirs."""
+    params = _rope_params(hf_config)
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if "partial_rotary_factor" not in params and getattr(hf_config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = hf_config.partial_rotary_factor  # transformers 4.x keeps it outside
+    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+        params["rope_theta"] = hf_config.rope_theta
+
+    def read(p: dict) -> RopeSpec:
+        return rope_spec(
+            p,
+            head_dim=head_dim,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            allowed=arch.rope_types,
+            model=name,
+            interleaved=arch.interleaved_rotary,
+            partial_rotary=arch.partial_rotary,
         )
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ModelLoadError("config.json gives no rope_theta")
-    if rope_type != "llama3":
-        return float(theta), None
-    keys = ("factor", "low_freq_factor", "high_freq_factor")
-    missing = [k for k in keys if k not in params]
-    if missing:
-        raise ModelLoadError(f"rope_scaling of type llama3 lacks {', '.join(missing)} in config.json")
-    original = params.get("original_max_position_embeddings", hf_config.max_position_embeddings)
-    scaling = Llama3RopeScaling(*(float(params[k]) for k in keys), original_max_position_embeddings=int(original))
-    return float(theta), scaling
+
+    if "full_attention" in params:  # Gemma 3: a rope per layer kind
+        sliding = params.get("sliding_attention")
+        return read(dict(params["full_attention"])), read(dict(sliding)) if sliding else None
+    return read(params), None
 
 
 def _sliding_window(hf_config: Any, arch: Architecture) -> int | None:
@@ -112,6 +187,46 @@ def _sliding_window(hf_config: Any, arch: Architecture) -> int | None:
     if switch is not None and not getattr(hf_config, switch, False):
         return None
     return getattr(hf_config, "sliding_window", None)
+
+
+def _layer_windows(hf_config: Any, arch_name: str, arch: Architecture, max_model_len: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full); empty when no layer's window hides a token of a
+    ``max_model_len`` sequence (so those models run the plain kernels)."""
+    window = _sliding_window(hf_config, arch)
+    if window is None:
+        return ()
+    window = _positive_int(hf_config, "sliding_window", arch_name)
+    num_layers = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        windows = (window,) * num_layers
+    else:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != num_layers:
+            raise ModelLoadError(
+                f"{arch_name} with layer_types {unknown or types!r}: nanostream runs sliding_attention and "
+                f"full_attention, one per layer ({num_layers})"
+            )
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if all(w is None or w >= max_model_len for w in windows):
+        return ()
+    return windows
+
+
+def _refuse_unsupported(hf_config: Any, name: str, arch: Architecture) -> None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method", "unnamed") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        )
+        raise ModelLoadError(
+            f"{name} checkpoint quantized with {method!r} (quantization_config in config.json): nanostream loads "
+            "unquantized weights (bfloat16, float16, float32); use an unquantized checkpoint"
+        )
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ModelLoadError(f"{name} with attn_logit_softcapping is not supported; nanostream caps only final logits")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ModelLoadError(f"{name} with use_bidirectional_attention is not supported; nanostream attends causally")
 
 
 def _positive_int(hf_config: Any, key: str, arch_name: str, default: Any = None) -> int:
@@ -165,9 +280,8 @@ def _moe(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
 def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     """Read the decoder's shape from a transformers config, refusing what the decoder cannot run.
 
-    ``max_model_len``: the engine's (resolved) limit. Sliding-window attention is not implemented, but
-    a window at least that long never hides a token: such a model runs, one with a shorter window is
-    refused, saying to lower max_model_len to it."""
+    ``max_model_len``: the engine's (resolved) limit. Sliding windows at least that long hide no token, so
+    a model whose windows all are runs as full attention."""
     architectures = getattr(hf_config, "architectures", None) or []
     name = next((a for a in architectures if a in ARCHITECTURES), None)
     if name is None:
@@ -175,21 +289,20 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
             f"unsupported architecture {architectures or 'missing'} in config.json; nanostream runs {supported_list()}"
         )
     arch = ARCHITECTURES[name]
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{name} with hidden_act={act!r} is not supported; nanostream's MLP runs silu")
-    window = _sliding_window(hf_config, arch)
-    if window is not None and window < max_model_len:
+    _refuse_unsupported(hf_config, name, arch)
+    act = getattr(hf_config, arch.activation_key, None) or "silu"
+    if act not in ACTIVATIONS:
         raise ModelLoadError(
-            f"{name} uses sliding-window attention over {window} tokens, which nanostream does not implement; "
-            f"set max_model_len={window} (or less), where a window that long hides nothing"
+            f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
+            f"{', '.join(ACTIVATIONS)}"
         )
-    rope_theta, rope_scaling = _rope(hf_config, name, arch)
+    rope, sliding_rope = _ropes(hf_config, name, arch)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
+    windows = _layer_windows(hf_config, name, arch, max_model_len)
     return DecoderSpec(
         architecture=name,
         vocab_size=hf_config.vocab_size,
@@ -200,13 +313,49 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
-        rope_theta=rope_theta,
+        rope=rope,
         max_position=hf_config.max_position_embeddings,
         qkv_bias=qkv_bias or attention_bias,
         o_bias=attention_bias,
         qk_norm=arch.qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         mlp_bias=mlp_bias,
-        rope_scaling=rope_scaling,
         moe=_moe(hf_config, name, arch.experts) if arch.experts else None,
+        norms=arch.norms,
+        norm_weight_offset=arch.norm_weight_offset,
+        qk_norm_whole=arch.qk_norm_whole,
+        activation=ACTIVATIONS[act],
+        scale_embeddings=arch.scale_embeddings,
+        **_multipliers(hf_config, name, arch, head_dim),
+        attention_sinks=arch.attention_sinks,
+        layer_windows=windows,
+        sliding_rope=sliding_rope if windows else None,
+        rope_layers=_rope_layers(hf_config, name, arch),
     )
+
+
+def _multipliers(hf_config: Any, name: str, arch: Architecture, head_dim: int) -> dict[str, float | None]:
+    """The scales a family puts on embeddings, residual branches, the softmax and the logits."""
+    out: dict[str, float | None] = {}
+    if arch.multipliers:
+        out["embedding_multiplier"] = float(hf_config.embedding_multiplier)
+        out["residual_multiplier"] = float(hf_config.residual_multiplier)
+        out["attention_scale"] = float(hf_config.attention_multiplier)
+        out["logits_divisor"] = float(hf_config.logits_scaling)
+    if arch.query_pre_attn_scalar:
+        out["attention_scale"] = float(hf_config.query_pre_attn_scalar) ** -0.5
+    if arch.final_logit_softcap:
+        cap = getattr(hf_config, "final_logit_softcapping", None)
+        out["final_logit_softcap"] = None if cap is None else float(cap)
+    return out
+
+
+def _rope_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[bool, ...]:
+    if not arch.no_rope_layers:
+        return ()
+    flags = getattr(hf_config, "no_rope_layers", None)
+    if flags is None:
+        return ()
+    if len(flags) != hf_config.num_hidden_layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"{name} with no_rope_layers={flags!r}: nanostream needs a 0 or 1 per layer")
+    return tuple(bool(f) for f in flags)

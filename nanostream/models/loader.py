@@ -118,7 +118,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     if shard is not None:
                         filled = module.load_shard(param, tensor, shard)
                     elif hasattr(module, "load_weight"):
-                        module.load_weight(param, tensor)
+                        filled = module.load_weight(param, tensor)  # a fused module: the parts it filled
                     else:
                         shape = tuple(tensor.get_shape())
                         if tuple(param.shape) != shape:

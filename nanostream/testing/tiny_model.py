@@ -110,7 +110,33 @@ TINY_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Glm4ForCausalLM",
 )
+# The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
+# the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
+# multipliers; SmolLM3's layer without rotary embedding.
+_TINY_DENSE: dict[str, dict] = {
+    "Gemma3ForCausalLM": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=3,
+        final_logit_softcapping=8.0,
+    ),
+    "Phi3ForCausalLM": dict(sliding_window=40),
+    "GraniteForCausalLM": dict(
+        embedding_multiplier=1.5, residual_multiplier=0.6, attention_multiplier=0.2, logits_scaling=2.5
+    ),
+    "SmolLM3ForCausalLM": dict(no_rope_layers=[1, 0, 1], num_hidden_layers=3),
+    "Glm4ForCausalLM": dict(head_dim=16, attention_bias=True),  # partial_rotary_factor 0.5, interleaved pairs
+}
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # the text model's config, not the multimodal one
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
 # Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert.
 _TINY_MOE: dict[str, dict] = {
@@ -148,6 +174,12 @@ TINY_PRESETS: dict[str, dict] = {
     "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", seed=7),
     "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", seed=8),  # a shared expert, a dense layer
     "mixtral": dict(architecture="MixtralForCausalLM", seed=9),
+    "gemma3": dict(architecture="Gemma3ForCausalLM", seed=10),
+    "phi3": dict(architecture="Phi3ForCausalLM", seed=11, tie_word_embeddings=False),
+    "olmo2": dict(architecture="Olmo2ForCausalLM", seed=12, tie_word_embeddings=False),
+    "granite": dict(architecture="GraniteForCausalLM", seed=13),
+    "smollm3": dict(architecture="SmolLM3ForCausalLM", seed=14),
+    "glm4": dict(architecture="Glm4ForCausalLM", seed=15, tie_word_embeddings=False),
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
@@ -159,7 +191,8 @@ def _classes(architecture: str):
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     prefix = architecture.removesuffix("ForCausalLM")  # Qwen3ForCausalLM -> transformers.Qwen3Config
-    return getattr(transformers, f"{prefix}Config"), getattr(transformers, architecture)
+    config = _CONFIG_CLASSES.get(architecture, f"{prefix}Config")
+    return getattr(transformers, config), getattr(transformers, architecture)
 
 
 def make_tiny_model(
@@ -212,6 +245,7 @@ def make_tiny_model(
     elif architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = None
     kwargs.update(_TINY_MOE.get(architecture, {}))
+    kwargs.update(_TINY_DENSE.get(architecture, {}))
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
     if not weights:
