@@ -246,3 +246,10 @@ def test_a_model_built_in_bfloat16_has_the_float32_builds_weights_rounded(tmp_pa
             assert torch.equal(f.get_tensor(name).to(torch.bfloat16), h.get_tensor(name)), name
     out = LLM(str(half), kvcache_block_size=16).generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_olmo2_is_not_split_over_ranks():
+    from nanostream.distributed.sharding import check_split
+
+    with pytest.raises(ValueError, match="QK-norms span every head.*divides the model: 1$"):
+        check_split(spec_of(Olmo2Config, "Olmo2ForCausalLM"), 2)

@@ -68,6 +68,8 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
         )
     if spec.vocab_size % size:
         problems.append(f"vocab_size ({spec.vocab_size}) is not divisible by it")
+    if spec.qk_norm_whole and size > 1:
+        problems.append("its QK-norms span every head (OLMo 2), and nanostream does not split them over ranks")
     return problems
 
 

@@ -230,9 +230,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = vocab_embedding(shard.vocab, spec.hidden_size, tp)
         self.embedding_multiplier = spec.embedding_multiplier
-        self.embed_scale: torch.Tensor | None = None
-        if spec.scale_embeddings:  # in the model's dtype, as Gemma rounds it
-            self.register_buffer("embed_scale", torch.tensor(spec.hidden_size**0.5), persistent=False)
+        # Gemma: sqrt(hidden_size) in the model's dtype, as it rounds it; None elsewhere
+        scale = torch.tensor(spec.hidden_size**0.5) if spec.scale_embeddings else None
+        self.register_buffer("embed_scale", scale, persistent=False)
         # One table per rotary kind (the attention layers hold theirs, as does this module).
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope, kernel=kernels.rotary)
         self.sliding_rotary = None
