@@ -1,24 +1,56 @@
-"""The step both attention kernels share: fold one paged K/V tile into an online softmax."""
+"""What both attention kernels share: the online softmax's start (with a sink or without) and the fold of
+one paged K/V tile into it."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from nanostream.kernels._device import LOG2E
+
+NO_WINDOW = 1 << 30
+"""The ``window`` the kernels take for full causal attention: a runtime value (no variant of its own) that
+no context reaches, far enough from the int32 limit that ``position - window`` cannot overflow."""
+
+_LOG2E = tl.constexpr(LOG2E)
+
+
+def window_arg(window: int | None) -> int:
+    """The kernels' runtime ``window`` for a launcher's: NO_WINDOW for None (callers check it is positive)."""
+    assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
+    return NO_WINDOW if window is None else min(window, NO_WINDOW)
+
+
+@triton.jit
+def softmax_start(sinks_ptr, heads, use, HAS_SINKS: tl.constexpr):
+    """(running max, running sum) before any key, one per row of ``heads`` (each row's query head).
+
+    With sinks, a row where ``use`` holds starts from its head's sink: max = the sink's logit (base 2),
+    sum = e^0 = 1, so the sink joins the denominator and adds nothing to the output. Otherwise (-inf, 0).
+    """
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + heads, mask=use, other=float("-inf")).to(tl.float32) * _LOG2E
+        denom = tl.where(m == float("-inf"), 0.0, 1.0)  # a sink of -inf is no sink
+    else:
+        m = tl.full(heads.shape, float("-inf"), tl.float32)
+        denom = tl.zeros(heads.shape, tl.float32)
+    return m, denom
+
 
 @triton.jit
 def fold_kv_tile(
     q, m, denom, acc,
     k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-    n0, kv_end, q_pos,
+    n0, kv_end, q_pos, window,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Attend the queries ``q`` [M, BLOCK_D] to context positions [n0, n0 + BLOCK_N).
 
     K/V rows are gathered through the sequence's block table (``table_row``), any block size.
     (m, denom, acc): running max (base 2), running sum and unnormalised output, updated and returned.
-    With MASK, positions at or past ``kv_end`` or after a query's own position ``q_pos`` [M] are left
-    out; without it the caller guarantees the whole tile is visible to every query.
+    With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or at or
+    before ``q_pos - window`` are left out; without it the caller guarantees the whole tile is visible
+    to every query. A row that has seen no visible key yet keeps max -inf and sum 0.
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASK:
@@ -37,10 +69,17 @@ def fold_kv_tile(
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale  # [M, BLOCK_N]
     if MASK:
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        causal = pos[None, :] <= q_pos[:, None]
+        in_window = pos[None, :] > q_pos[:, None] - window
+        s = tl.where(n_mask[None, :] & causal & in_window, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    # A row whose keys are all masked so far: exp2 against 0 (giving 0 and 0), not -inf - -inf (NaN).
+    if MASK:  # noqa: SIM108 (a constexpr branch: the unmasked tiles compile without the select)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m - m_ref)
     denom = denom * alpha + tl.sum(p, 1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

@@ -7,6 +7,11 @@ them. The split count depends only on the batch size and an upper bound of the c
 CUDA graph captured at one batch size replays correctly for any context up to that bound. It is a
 runtime argument, not a compile-time constant: a mixed step's decode rows come in every batch size and
 context length, and each new constant would compile a kernel (a stall of ~0.3 s) in the serving loop.
+
+A sliding window is a runtime argument too: a sequence attends only [max(0, seq_len - window), seq_len),
+and that range is what the splits share, so their count follows min(context bound, window) and a window
+of 128 tokens costs 128 tokens, whatever the context. Attention sinks (one logit per query head) start
+split 0's softmax, so the merge counts each sink once.
 """
 
 from __future__ import annotations
@@ -16,26 +21,28 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E, num_sms
-from nanostream.kernels.attention_tile import fold_kv_tile
+from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
 
 MAX_SPLITS = 64
 
 
-# The block-table width and the split count change from step to step: neither may compile a variant.
-@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
+# The block-table width and the split count change from step to step, the window from layer to layer:
+# none may compile a variant.
+@triton.jit(do_not_specialize=["stride_tb", "num_splits", "window"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits,
+    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = tl.maximum(seq_len - window, 0)  # the window's first position (0 without one)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -47,21 +54,23 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :])  # [BLOCK_G, BLOCK_D]
     kv_offs = kv_head * D + d[None, :]
     table_row = table_ptr + b * stride_tb
-    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (end - 1)  # the query is the context's last token
+    # The query is the context's last token; every key of [lo, seq_len) is inside its window.
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max (base-2 logits)
-    denom = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2
+    # running max (base-2 logits) and sum of exp2; a sink joins split 0's only (the merge adds the splits')
+    in_split_0 = tl.full([BLOCK_G], split, tl.int32) == 0  # a vector: the interpreter takes no scalar in a mask
+    m, denom = softmax_start(sinks_ptr, heads, g_mask & in_split_0, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles need no mask
     for n0 in range(start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
         )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -111,13 +120,19 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous); block_tables:
     [B, W] int32; seq_lens: [B] int32, each in [1, max_seq_len] and covered by its block table row.
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
-    Returns [B, Hq, D] in q's dtype (written into ``out`` when given).
+    ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
+    denominator logit per query head (None: none). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
+
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -130,10 +145,13 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
+    window = window_arg(window)
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.is_contiguous() and sinks.is_floating_point(), sinks.shape
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    splits = num_decode_splits(batch, num_kv_heads, max_seq_len, q.device)
+    splits = num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -141,12 +159,12 @@ def paged_decode_attention(
     else:  # unused; float32 all the same, so that the kernel's signature, and its compiled variant, is one
         part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, q if sinks is None else sinks, out, part, lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
-        splits,
+        splits, window,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
-        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32,
+        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:

@@ -5,6 +5,11 @@ Sequence i brings q_len new query tokens, the last of its seq_len tokens of cont
 is read from the pool through the block table, tile by tile, never gathered into a contiguous copy.
 A program computes BLOCK_M queries of one head (FlashAttention-2's online softmax). Key tiles entirely
 before the first query need no mask; only the tiles that reach the diagonal are masked.
+
+With a sliding window (a runtime argument: no variant per window) a query at p sees (p - window, p]:
+a program reads from its first query's window start, masks the tiles before its last query's window
+start as well as the diagonal ones, and needs no mask in between. Attention sinks start each row's
+softmax from its head's sink logit.
 """
 
 from __future__ import annotations
@@ -14,16 +19,17 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E
-from nanostream.kernels.attention_tile import fold_kv_tile
+from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
 
 
-@triton.jit(do_not_specialize=["stride_tb"])  # the block-table width changes every step
+# The block-table width changes every step, the window from layer to layer: neither compiles a variant.
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,23 +53,31 @@ def _prefill_kernel(
     kv_offs = (head // G) * D + d[None, :]
     table_row = table_ptr + b * stride_tb
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
+    m, denom = softmax_start(sinks_ptr, tl.full([BLOCK_M], head, tl.int32), m_mask, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys before this tile's first query are visible to all its queries: whole tiles of them need no
-    # mask. The tiles from there to the last query's position are masked (causal, and the context end).
+    # Keys before this tile's first query, and inside its last query's window, are visible to all its
+    # queries: whole tiles of them need no mask. The tiles from there to the last query's position are
+    # masked (causal, and the context end), and so are those from the first query's window start to the
+    # last one's. Without a window both starts are 0.
     first_q = prefix + m_tile * BLOCK_M
+    kv_end = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query's position
     full_end = first_q // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(first_q + BLOCK_M, seq_len)
-    for n0 in range(0, full_end, BLOCK_N):
+    kv_start = tl.maximum(first_q + 1 - window, 0) // BLOCK_N * BLOCK_N
+    full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+    for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+        )  # fmt: skip
+    for n0 in range(full_start, full_end, BLOCK_N):
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
         )  # fmt: skip
 
     # Rows past q_len saw only masked keys (denom = 0) and are not stored.
@@ -86,6 +100,9 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their paged contexts.
 
@@ -94,6 +111,10 @@ def paged_prefill_attention(
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] int32.
     ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
+    ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``sinks``:
+    [Hq], one softmax-denominator logit per query head (None: none)::
+
+        out = paged_prefill_attention(q, k_cache, v_cache, cu_q, lens, tables, 512, 0.125, window=128)
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -108,6 +129,9 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
+    window = window_arg(window)
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.is_contiguous() and sinks.is_floating_point(), sinks.shape
     if num_tokens == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -119,11 +143,12 @@ def paged_prefill_attention(
         block_m, block_n, num_warps, num_stages = config
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
+        window,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE=page, IEEE=fp32,
+        PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

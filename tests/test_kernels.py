@@ -48,8 +48,11 @@ def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, gen):
     return k, v, tables.to(DEVICE)
 
 
-def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale):
-    """float64 causal attention of each sequence's last queries over its context; [T, Hq, D]."""
+def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, window=None, sinks=None):
+    """float64 causal attention of each sequence's last queries over its context; [T, Hq, D].
+
+    ``window``: a query at position p sees only the keys at (p - window, p]. ``sinks`` [Hq]: each query
+    head's logit joins its softmax denominator, out = sum e^s v / (sum e^s + e^sink)."""
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     bs = k_cache.shape[1]
     for i, n in enumerate(seq_lens.tolist()):
@@ -59,14 +62,31 @@ def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale):
         v = v_cache[rows].flatten(0, 1)[:n].double().transpose(0, 1)
         q_pos = torch.arange(n - (e - s), n, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[s:e].double().transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        if window is not None:
+            mask &= torch.arange(n, device=q.device)[None, :] > q_pos[:, None] - window
+        qi = q[s:e].double().transpose(0, 1)  # [Hq, Lq, D]
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            group = qi.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            logits = (qi @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))  # [Hq, Lq, n]
+            sink = sinks.double()[:, None, None]
+            top = torch.maximum(logits.amax(-1, keepdim=True), sink)
+            weights = (logits - top).exp()
+            o = weights @ v / (weights.sum(-1, keepdim=True) + (sink - top).exp())
         out[s:e] = o.transpose(0, 1)
     return out
 
 
-def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=None):
+def make_sinks(hq, gen):
+    """Sink logits [Hq] float32 around the attention logits' size; the last head's is -inf (no sink)."""
+    sinks = 2 * torch.randn(hq, generator=gen)
+    sinks[-1] = float("-inf")
+    return sinks.to(DEVICE)
+
+
+def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=None, window=None, sinks=False):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     k, v, tables = paged_pool(seq_lens, block_size, hkv, head_dim, dtype, gen)
@@ -74,11 +94,12 @@ def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=N
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    paged_decode_attention(q, k, v, tables, lens, scale, max_seq_len or max(seq_lens), out=out)
-    return rel_err(out, reference(q, k, v, tables, list(range(len(seq_lens) + 1)), lens, scale))
+    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None)
+    paged_decode_attention(q, k, v, tables, lens, scale, max_seq_len or max(seq_lens), out=out, **extra)
+    return rel_err(out, reference(q, k, v, tables, list(range(len(seq_lens) + 1)), lens, scale, **extra))
 
 
-def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, config=None):
+def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, config=None, window=None, sinks=False):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     seq_lens = [a + b for a, b in zip(q_lens, prefix_lens)]
@@ -91,8 +112,9 @@ def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, c
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out, config=config)
-    return rel_err(out, reference(q, k, v, tables, cu, lens, scale))
+    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None)
+    paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out, config=config, **extra)
+    return rel_err(out, reference(q, k, v, tables, cu, lens, scale, **extra))
 
 
 def run_prologue(num_tokens, heads, head_dim, norm, dtype, seed, padding=(0,)):
@@ -205,6 +227,39 @@ def test_prefill_attention_tile_shapes(config):
     assert run_prefill([40, 3], [25, 9], (4, 2), 16, 8, torch.float32, 2, config) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "seq_lens, heads, head_dim, block_size, window, sinks",
+    [
+        ([1, 37, 200], (4, 2), 16, 16, 16, False),  # one split: the window is the whole range
+        ([70, 5, 300], (8, 1), 32, 5, 100, False),  # two splits over a window that starts mid-block
+        ([3, 30, 1, 9], (6, 6), 16, 1, 3, True),  # a window shorter than most contexts, with sinks
+        ([1500, 700], (4, 2), 16, 16, 1000, True),  # 16 splits over the window: the sink counted once
+        ([1, 37, 200], (4, 2), 16, 16, None, True),  # sinks over several splits of the whole context
+        ([600, 2], (4, 2), 64, 256, 1, False),  # each query sees itself only; a loose bound, as under graphs
+    ],
+)
+def test_decode_attention_window_and_sinks(seq_lens, heads, head_dim, block_size, window, sinks):
+    max_seq_len = 4096 if window == 1 else None
+    assert run_decode(seq_lens, heads, head_dim, block_size, torch.float32, 3, max_seq_len, window, sinks) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "q_lens, prefix_lens, heads, head_dim, block_size, window, sinks, config",
+    [
+        ([5, 70, 1], [0, 30, 100], (4, 2), 16, 16, 16, True, None),  # fresh, chunk and a decode row
+        ([33, 2], [7, 0], (8, 1), 32, 5, 3, False, None),
+        ([20], [3], (2, 2), 16, 1, 1, True, None),
+        ([130], [300], (4, 2), 64, 256, 100, False, None),  # query tiles after a long prefix, masked both ends
+        ([40, 3], [25, 9], (4, 2), 16, 8, 3, True, (16, 16, 4, 1)),  # windows inside one key tile
+        ([70, 3], [60, 200], (4, 2), 16, 8, 37, False, (32, 16, 4, 1)),  # unmasked tiles between masked ones
+        ([40, 3], [25, 9], (4, 2), 16, 8, 1000, True, (32, 64, 4, 2)),  # a window past every context
+    ],
+)
+def test_prefill_attention_window_and_sinks(q_lens, prefix_lens, heads, head_dim, block_size, window, sinks, config):
+    err = run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, torch.float32, 4, config, window, sinks)
+    assert err < 1e-5
+
+
 def test_store_kv_writes_each_slot_and_skips_padding():
     gen = torch.Generator().manual_seed(2)
     tokens, hkv, d, blocks, bs = 9, 2, 16, 6, 4
@@ -274,6 +329,22 @@ def test_prefill_attention_gpu(dtype, bound, block_size, heads):
         q_lens = torch.randint(1, 2048, (batch,), generator=gen).tolist()
         prefixes = [0 if i % 3 == 0 else int(x) for i, x in enumerate(torch.randint(0, 3000, (batch,), generator=gen))]
         assert run_prefill(q_lens, prefixes, heads, 128, block_size, dtype, batch) < bound
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("window", [1, 128, 1000])
+def test_window_and_sinks_gpu(dtype, bound, block_size, window):
+    # gpt-oss's attention shape (64 query heads over 8 KV heads, head dim 64), with and without sinks
+    gen = torch.Generator().manual_seed(window + block_size)
+    for sinks in (False, True):
+        for batch in (1, 64):
+            lens = torch.randint(1, 5000, (batch,), generator=gen).tolist()
+            assert run_decode(lens, (64, 8), 64, block_size, dtype, batch, 32768, window, sinks) < bound
+        q_lens = torch.randint(1, 1500, (4,), generator=gen).tolist()
+        prefixes = [0, 0, 700, 3000]
+        assert run_prefill(q_lens, prefixes, (64, 8), 64, block_size, dtype, 5, None, window, sinks) < bound
 
 
 @gpu
