@@ -98,27 +98,51 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D]."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D].
 
-    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        ``window``: sliding-window attention, transformers' ``sliding_window``: a query at position p sees
+        the keys at positions p - window < k <= p (``window`` of them, its own included); None: all up to p.
+        ``sinks``: [Hq] float32, gpt-oss's attention sinks: one logit per query head that joins each
+        query's softmax denominator and carries no value, out = sum_k e^s_k v_k / (sum_k e^s_k + e^sink).
+        Both are the layer's, fixed for its life::
+
+            out = backend.forward(q, k, v, cache, meta, head_dim**-0.5, window=128, sinks=layer.sinks)
+        """
+
+    def attend(
+        self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
         raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
 
 
+def check_window(window: int | None) -> None:
+    """Raise ``ValueError`` unless ``window`` is None or a positive number of tokens."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
+
+
 class TorchAttention(AttentionBackend):
-    """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device."""
+    """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device.
+
+    With ``sinks`` the softmax is written out (SDPA has no sink term): float32 logits, the sink as one
+    more column, as transformers' gpt-oss eager attention computes it.
+    """
 
     name = "torch"
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None):
+        check_window(window)
         k_pool = cache.k.view(-1, *cache.k.shape[2:])  # [num_slots, Hkv, D]
         v_pool = cache.v.view(-1, *cache.v.shape[2:])
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
         if meta.is_decode:
-            return self._decode(q, cache, meta, scale)
+            return self._decode(q, cache, meta, scale, window, sinks)
         out = torch.empty_like(q)
         bs = cache.block_size
         for i, seq_len in enumerate(meta.seq_lens_host):
@@ -127,10 +151,14 @@ class TorchAttention(AttentionBackend):
             # [1, H, L, D] views for SDPA
             qi = q[start:end].transpose(0, 1)[None]
             ki, vi = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]
-            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own.
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out[start:end] = self._sdpa(qi, ki, vi, mask, scale)[0].transpose(0, 1)
+            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own
+            # (and, with a window, > its own - window).
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out
 
     @staticmethod
@@ -140,16 +168,33 @@ class TorchAttention(AttentionBackend):
         return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:seq_len]
 
     @staticmethod
-    def _sdpa(q, k, v, mask, scale):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    def _attention(q, k, v, mask, scale, sinks):
+        # q: [N, Hq, Lq, D], k and v: [N, Hkv, L, D]; mask: bool, broadcast to [N, Hq, Lq, L]
+        if sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        n, hq, lq, d = q.shape
+        hkv = k.shape[1]
+        dtype = torch.promote_types(q.dtype, torch.float32)  # float32 logits for bf16/fp16 models
+        # The G = Hq / Hkv query heads of a KV head as one matrix of G * Lq rows: no copy of K/V per head.
+        qg = q.to(dtype).reshape(n, hkv, hq // hkv * lq, d)
+        s = (qg @ k.to(dtype).transpose(-1, -2)).view(n, hq, lq, -1) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        s = torch.cat([s, sinks.to(dtype).view(1, hq, 1, 1).expand(n, hq, lq, 1)], -1)
+        p = torch.softmax(s - s.amax(-1, keepdim=True), -1)[..., :-1]  # the sink column carries no value
+        out = p.reshape(n, hkv, hq // hkv * lq, -1) @ v.to(dtype)
+        return out.view(n, hq, lq, d).to(q.dtype)
 
-    def _decode(self, q, cache, meta, scale):
-        # All sequences at once: gather each block table's blocks, mask positions past seq_len.
+    def _decode(self, q, cache, meta, scale, window, sinks):
+        # All sequences at once: gather each block table's blocks, mask positions past seq_len (and,
+        # with a window, those at or before seq_len - 1 - window).
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
         k = cache.k[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
         v = cache.v[tables].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
-        out = self._sdpa(q[:, :, None, :], k, v, mask[:, None, None, :], scale)  # [B, Hq, 1, D]
+        pos = torch.arange(k.shape[2], device=q.device)[None, :]
+        mask = pos < meta.seq_lens[:, None]  # [B, L]
+        if window is not None:
+            mask &= pos >= meta.seq_lens[:, None] - window
+        out = self._attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale, sinks)  # [B, Hq, 1, D]
         return out[:, :, 0, :]

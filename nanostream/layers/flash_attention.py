@@ -9,7 +9,13 @@ Two versions, whichever is installed, imported lazily (this module imports where
 
 FA4 wins where both import and the GPU is one it supports. Decode (one query per sequence) reads no host
 value that changes between steps (``max_seqlen_k`` is not read; the block-table width bounds the context),
-so it can be captured in a CUDA graph. Use::
+so it can be captured in a CUDA graph.
+
+A sliding window goes to either version as ``window_size=(window - 1, 0)`` (FlashAttention's window: a
+query at p sees keys in [p - left, p + right]). Attention sinks go to FA4 as ``learnable_sink``, which it
+takes in bfloat16 only: a bfloat16 model's (whose sinks are bfloat16 values, so the cast is exact).
+FA2 has no sinks, and FA4 none in float16: those calls run nanostream's Triton kernels
+(layers/triton_attention.py) over the same pool instead. Use::
 
     reason = flash_attn_unavailable_reason(torch.device("cuda"), torch.bfloat16, block_size=256, head_dim=128)
     backend = FlashAttention() if reason is None else TorchAttention()
@@ -22,7 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
+from nanostream.layers.triton_attention import TritonAttention
 
 FA4_ARCHS = (9, 10, 11)  # compute-capability majors where FA4 reads paged KV: Hopper, Blackwell
 FA2_MIN_ARCH = 8
@@ -30,8 +37,9 @@ FA2_PAGE_MULTIPLE = 256  # FA2 rejects a paged KV block size that is not a multi
 DTYPES = (torch.float16, torch.bfloat16)
 NOT_INSTALLED = "flash_attn is not installed (pip install flash-attn-4 on Hopper/Blackwell, flash-attn on Ampere/Ada)"
 
-# (q [T, Hq, D], this layer's pool, metadata, softmax scale) -> [T, Hq, D]; the new K/V are already stored
-Kernel = Callable[[torch.Tensor, KVCache, AttentionMetadata, float], torch.Tensor]
+# (q [T, Hq, D], this layer's pool, metadata, softmax scale, window, sinks) -> [T, Hq, D]; the new K/V are
+# already stored
+Kernel = Callable[[torch.Tensor, KVCache, AttentionMetadata, float, int | None, torch.Tensor | None], torch.Tensor]
 
 
 def _fa4_installed() -> bool:
@@ -109,8 +117,15 @@ def _first(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
 def _fa4_kernel() -> Kernel:
     from flash_attn.cute import flash_attn_varlen_func as attn
 
-    def forward(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        window: int | None, sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         common = dict(seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=scale, causal=True)
+        if window is not None:
+            common["window_size"] = (window - 1, 0)
+        if sinks is not None:
+            common["learnable_sink"] = sinks.to(torch.bfloat16)  # FA4 asserts bfloat16 sinks
         if meta.is_decode:
             # q as [B, 1, Hq, D]. No max_seqlen_k: FA4 then bounds it by the block-table width, which holds
             # in every replay of a CUDA graph.
@@ -129,18 +144,24 @@ def _fa4_kernel() -> Kernel:
 def _fa2_kernel() -> Kernel:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        window: int | None, sinks: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        assert sinks is None, "FlashAttention-2 has no attention sinks: the backend sends those calls to Triton"
+        extra = {} if window is None else {"window_size": (window - 1, 0)}
         if meta.is_decode:
             # q as [B, 1, Hq, D]; cache_seqlens counts the new token, which is already in the pool
             out = flash_attn_with_kvcache(
                 q[:, None], cache.k, cache.v,
                 cache_seqlens=meta.seq_lens, block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                **extra,
             )  # fmt: skip
             return out[:, 0]
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))  # [B+1], on the device
         return flash_attn_varlen_func(
             q, cache.k, cache.v, meta.cu_seqlens_q, cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            softmax_scale=scale, causal=True, block_table=meta.block_tables, **extra,
         )  # fmt: skip
 
     return forward
@@ -154,6 +175,7 @@ class FlashAttention(AttentionBackend):
 
     The version is picked on the first call, from its device, dtype, block size and head dim; settings
     it cannot run raise ``ValueError`` with the reason (``flash_attn_unavailable_reason`` tells ahead).
+    Calls with sinks that the version cannot take (FA2, FA4 in float16) run the Triton backend's kernels.
     """
 
     name = "flash_attn"
@@ -167,22 +189,31 @@ class FlashAttention(AttentionBackend):
         self._store, self.prologue = store_kv, qkv_prologue
         self.version: int | None = None  # 4 or 2, once picked
         self._kernel: Kernel | None = None
+        self._triton = TritonAttention()  # for sinks the version cannot take
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
-        return self.attend(q, cache, meta, scale)
+        return self.attend(q, cache, meta, scale, window=window, sinks=sinks)
 
-    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        check_window(window)
         if self._kernel is None:
             version, reason = _plan(q.device, cache.k.dtype, cache.block_size, q.shape[-1])
             if reason is not None:
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()
+        if sinks is not None and not (self.version == 4 and q.dtype == torch.bfloat16):
+            return self._triton.attend(q, cache, meta, scale, window=window, sinks=sinks)
         if meta.is_decode or not meta.num_decodes:
-            return self._kernel(q, cache, meta, scale)
+            return self._kernel(q, cache, meta, scale, window, sinks)
         # A mixed step: the decode rows through the decode path, the prompt chunks through varlen prefill.
         decode, rest = meta.decode_split
-        n = meta.num_decodes
-        return torch.cat([self._kernel(q[:n], cache, decode, scale), self._kernel(q[n:], cache, rest, scale)])
+        n, kernel = meta.num_decodes, self._kernel
+        head = kernel(q[:n], cache, decode, scale, window, sinks)
+        return torch.cat([head, kernel(q[n:], cache, rest, scale, window, sinks)])

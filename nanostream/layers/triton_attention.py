@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -36,24 +36,36 @@ class TritonAttention(AttentionBackend):
         self.prologue = qkv_prologue
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)
-        return self.attend(q, cache, meta, scale)
+        return self.attend(q, cache, meta, scale, window=window, sinks=sinks)
 
-    def attend(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+        *, window: int | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        check_window(window)
+        extra = dict(window=window, sinks=sinks)
         if meta.is_decode:
-            return self._decode(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k)
+            return self._decode(
+                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k, **extra
+            )  # fmt: skip
         if not meta.num_decodes:
             return self._prefill(
-                q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale
-            )
+                q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale,
+                **extra,
+            )  # fmt: skip
         # A mixed step: the decode rows through the decode kernel, the prompt chunks through the prefill one.
         decode, rest = meta.decode_split
         n, out = meta.num_decodes, torch.empty_like(q)
-        self._decode(q[:n], cache.k, cache.v, decode.block_tables, decode.seq_lens, scale, decode.max_seqlen_k, out[:n])
+        self._decode(
+            q[:n], cache.k, cache.v, decode.block_tables, decode.seq_lens, scale, decode.max_seqlen_k, out[:n],
+            **extra,
+        )  # fmt: skip
         self._prefill(
             q[n:], cache.k, cache.v, rest.cu_seqlens_q, rest.seq_lens, rest.block_tables, rest.max_seqlen_q, scale,
-            out[n:],
+            out[n:], **extra,
         )  # fmt: skip
         return out
