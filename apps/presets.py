@@ -3,9 +3,9 @@
     python apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random
     with random_model(QWEN3_0_6B, {}, "/tmp/qwen3-0.6b-random") as path: ...
 
-The mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B) are written as config.json and a tokenizer
-alone, and run with ``load_format="dummy"`` (``engine_defaults``): random weights made on the device, no
-60-90 GB file on disk.
+The mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b) and Gemma-3-4B are written as
+config.json and a tokenizer alone, and run with ``load_format="dummy"`` (``engine_defaults``): random
+weights made on the device, no 8-90 GB file on disk.
 
 This module imports nothing of nanostream until a model is built, so that apps/bench_kernels.py's
 kernel sections can read the attention shape on a machine where nanostream does not import.
@@ -24,6 +24,8 @@ QWEN3_0_6B = "qwen3-0.6b"
 QWEN3_8B = "qwen3-8b"
 QWEN3_30B_A3B = "qwen3-30b-a3b"
 MIXTRAL_8X7B = "mixtral-8x7b"
+GEMMA3_4B = "gemma-3-4b"
+GPT_OSS_20B = "gpt-oss-20b"
 
 # make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
 # model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
@@ -98,6 +100,61 @@ PRESETS: dict[str, dict] = {
         rms_norm_eps=1e-5,
         sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        weights_dtype="bfloat16",
+        weights=False,
+    ),
+    # google/gemma-3-4b-it's text_config: five sliding layers (1,024 tokens, base 10k) to one full (base 1M,
+    # linear scaling 8), head_dim 256.
+    GEMMA3_4B: dict(
+        architecture="Gemma3ForCausalLM",
+        hidden_size=2560,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        intermediate_size=10240,
+        vocab_size=262208,
+        sliding_window=1024,
+        layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(34)],
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        weights_dtype="bfloat16",
+        weights=False,
+    ),
+    # openai/gpt-oss-20b's config.json (its bf16 form): 32 experts of 2,880, 4 per token; sliding (128 tokens)
+    # and full layers alternating, attention sinks, YaRN (factor 32 over 4,096).
+    GPT_OSS_20B: dict(
+        architecture="GptOssForCausalLM",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+        },
         weights_dtype="bfloat16",
         weights=False,
     ),

@@ -37,7 +37,7 @@ from nanostream.sampling_params import SamplingParams
 ALL = (
     "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, "
-    "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, MixtralForCausalLM"
+    "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MixtralForCausalLM"
 )
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

@@ -5,7 +5,8 @@ Each tiny checkpoint comes from transformers' own config class with random weigh
 its query scale and logit cap), Phi-3 (fused qkv and gate/up checkpoint tensors, a window of 40 on every
 layer), OLMo 2 (norms after each block, QK-norms over the whole projections), Granite (its four
 multipliers), SmolLM3 (a layer without rotary embedding), GLM-4 (partial, interleaved rotary; four norms),
-and Mistral and Qwen2 with their windows shorter than the prompts. The prompts run from 1 to 700 tokens,
+gpt-oss (attention sinks, sliding and full layers, YaRN, its biased experts with the clamped SwiGLU), and
+Mistral and Qwen2 with their windows shorter than the prompts. The prompts run from 1 to 700 tokens,
 past every window; prefix-cache hits and prompt chunks start and end on both sides of a window's edge.
 """
 
@@ -27,7 +28,7 @@ WINDOWED = {
         num_hidden_layers=3,
     ),
 }
-FAMILIES = ["gemma3", "phi3", "olmo2", "granite", "smollm3", "glm4", *WINDOWED]
+FAMILIES = ["gemma3", "phi3", "olmo2", "granite", "smollm3", "glm4", "gpt_oss", *WINDOWED]
 GREEDY = greedy(12)
 
 
@@ -89,10 +90,11 @@ def test_glm4_rotary_needs_its_permuted_heads(family_dirs):
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids != ours
 
 
-@pytest.mark.parametrize("name", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma3", "olmo2", "gpt_oss"])
 def test_triton_kernels_run_the_families_like_transformers(name, family_dirs, hf_model_cache):
     # Under Triton's interpreter without a GPU: the fused prologue's (1 + w) QK-norm (Gemma 3) and the whole-
-    # projection norm before it (OLMo 2), the norm kernels' float32 weight, GeGLU, the windowed kernels.
+    # projection norm before it (OLMo 2), the norm kernels' float32 weight, GeGLU, the windowed kernels, the
+    # sinks and the fused MoE kernel's biases and clamped SwiGLU (gpt-oss).
     path = family_dirs(name)
     shared = random_prompts([30], seed=25)[0]
     prompts = [shared + tail for tail in random_prompts([1, 12], seed=26)]

@@ -14,7 +14,7 @@ from typing import Any
 
 from nanostream.errors import ModelLoadError
 from nanostream.layers.activation import ACTIVATIONS
-from nanostream.layers.moe import MoESpec
+from nanostream.layers.moe import ClampedSwiGLU, MoESpec
 from nanostream.layers.rotary import RopeSpec, rope_spec
 from nanostream.models.decoder import DecoderSpec, LayerNorms
 
@@ -43,6 +43,10 @@ class Experts:
     """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
     float32_weights: bool = False
     """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
+    gpt_oss: bool = False
+    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
+    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
+    interleaved."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,19 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "Glm4ForCausalLM": Architecture(
         qkv_bias_key="attention_bias", norms=GLM_NORMS, partial_rotary=True, interleaved_rotary=True
+    ),
+    "GptOssForCausalLM": Architecture(
+        attention_bias_key="attention_bias",
+        norm_weight_offset=0.0,
+        attention_sinks=True,
+        rope_types=("default", "yarn"),
+        experts=Experts(
+            num_experts_key="num_local_experts",
+            intermediate_key="intermediate_size",
+            renormalize=False,
+            sparse_layers=False,
+            gpt_oss=True,
+        ),
     ),
     "MixtralForCausalLM": Architecture(
         experts=Experts(
@@ -266,6 +283,18 @@ def _moe(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
     renormalize = experts.renormalize
     if renormalize is None:
         renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
+    gpt_oss = {}
+    if experts.gpt_oss:
+        # transformers before swiglu_alpha was a config key used 1.702, and so do configs without it
+        alpha, limit = getattr(hf_config, "swiglu_alpha", 1.702), getattr(hf_config, "swiglu_limit", 7.0)
+        gpt_oss = dict(
+            router_bias=True,
+            softmax_after_topk=True,
+            activation=ClampedSwiGLU(alpha=float(alpha), limit=float(limit)),
+            expert_bias=True,
+            transposed_experts=True,
+            interleaved_gate_up=True,
+        )
     return MoESpec(
         num_experts=num_experts,
         top_k=top_k,
@@ -274,6 +303,7 @@ def _moe(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
         float32_weights=experts.float32_weights,
         layers=layers,
         shared_expert_intermediate_size=shared,
+        **gpt_oss,
     )
 
 

@@ -308,7 +308,8 @@ class DecoderForCausalLM(nn.Module):
         "k_norm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
     }
-    checkpoint_aliases = {"block_sparse_moe": "mlp"}  # Mixtral's published name of its MoE block
+    # Mixtral's published name of its MoE block, gpt-oss's of its router
+    checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate"}
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).
     checkpoint_expert_tensors = {
@@ -321,7 +322,12 @@ class DecoderForCausalLM(nn.Module):
     }
     # Every expert's, stacked, ``{block}.experts.{name}``: what transformers' save_pretrained writes
     # with save_original_format=False (its default writes the published per-expert names).
-    checkpoint_stacked_experts = {"gate_up_proj": ("w13", "gate_up"), "down_proj": ("w2", "down")}
+    checkpoint_stacked_experts = {
+        "gate_up_proj": ("w13", "gate_up"),
+        "down_proj": ("w2", "down"),
+        "gate_up_proj_bias": ("w13_bias", "gate_up"),  # gpt-oss's expert biases
+        "down_proj_bias": ("w2_bias", "down"),
+    }
 
     def __init__(self, spec: DecoderSpec, kernels: LayerKernels, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

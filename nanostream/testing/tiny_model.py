@@ -116,6 +116,7 @@ TINY_ARCHITECTURES = (
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
     "Glm4ForCausalLM",
+    "GptOssForCausalLM",
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
 # the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
@@ -153,6 +154,26 @@ _TINY_MOE: dict[str, dict] = {
         mlp_only_layers=[1],
     ),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    # sliding (16 tokens) and full layers with sinks; the experts' clamp (limit 2) is reached at this init
+    "GptOssForCausalLM": dict(
+        head_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=3,
+        swiglu_limit=2.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 256,
+            "rope_theta": 150000.0,
+        },
+    ),
 }
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
@@ -180,6 +201,7 @@ TINY_PRESETS: dict[str, dict] = {
     "granite": dict(architecture="GraniteForCausalLM", seed=13),
     "smollm3": dict(architecture="SmolLM3ForCausalLM", seed=14),
     "glm4": dict(architecture="Glm4ForCausalLM", seed=15, tie_word_embeddings=False),
+    "gpt_oss": dict(architecture="GptOssForCausalLM", seed=18, tie_word_embeddings=False),
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
