@@ -169,18 +169,23 @@ def test_collectives_and_the_control_channel():
     assert out[0][1].tolist() == [[1.0] * 3 + [2.0] * 3 + [3.0] * 3] * 2
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(qwen3_dir, size):
-    spec = spec_of(qwen3_dir)
+@pytest.mark.parametrize(
+    ("name", "size"), [("qwen3", 2), ("qwen3", 4), ("gemma3", 2), ("gpt_oss", 2), ("glm4", 2), ("phi3", 2)]
+)
+def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(name, size, request, tmp_path):
+    # Contexts past the windows (Gemma 3's 24, gpt-oss's 16 with its sinks, split by head; Phi-3's fused
+    # checkpoint tensors and GLM-4's permuted rotary dims, split by rank).
+    path = request.getfixturevalue("qwen3_dir") if name == "qwen3" else make_tiny_model(tmp_path, **TINY_PRESETS[name])
+    spec = spec_of(path)
 
     def forward(tp: TensorParallel):
-        model = load_model(spec, LayerKernels(TorchAttention()), qwen3_dir, dtype=torch.float32, device=CPU, tp=tp)
-        kv = allocate_kv_pool(spec, 16, 8, torch.float32, CPU, model.shard.num_kv_heads)
+        model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp)
+        kv = allocate_kv_pool(spec, 24, 8, torch.float32, CPU, model.shard.num_kv_heads)
         chunks = []
-        for i, (cached, new) in enumerate([(0, 11), (5, 1), (0, 20)]):
+        for i, (cached, new) in enumerate([(0, 41), (30, 1), (0, 20)]):
             seq = Sequence(f"s{i}", list(range(3 + i, 3 + i + cached + new)), SamplingParams(), max_tokens=1,
                            sampling_seed=0, stop_token_ids=frozenset())  # fmt: skip
-            seq.block_table = list(range(4 * i, 4 * i + 4))
+            seq.block_table = list(range(8 * i, 8 * i + 8))
             chunks.append(WarmupChunk(seq, cached, new))
         inputs = pack_step(chunks, 8, CPU)
         with torch.inference_mode():
