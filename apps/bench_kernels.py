@@ -23,6 +23,9 @@ Sections (a failure in one prints its error and the next one runs; without CUDA 
   graphs; floor = (weight bytes + KV bytes read per step) / copy bandwidth.
 - prefill: one 8,192-token step (8 fresh prompts of 1,024) through ``ModelRunner.execute``;
   floor = (2 * matmul params * tokens + LM head + attention FLOPs) / matmul rate.
+- window: paged decode at a 4,096-token context with sliding windows of 128 and 1,024 tokens and without
+  one (batch 1, 8, 64, 256; block size 256), ours and FA4 (``window_size``), checked and timed as in
+  kernels; TB/s and %copy count the KV each window covers, so a window should cost its length, not 4k.
 - moe: one MoE layer's routed experts (Qwen3-30B-A3B's; Mixtral-8x7B's without --quick) at 1, 16, 64 and 256
   tokens: the fused Triton kernel (its tile table's choice and a sweep of tiles) and the torch path, against
   the floor (the experts the tokens touch, read once, at the copy bandwidth); apps/kernel_bench/moe.py.
@@ -47,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from kernel_bench.attention import section_kernels
+from kernel_bench.attention import section_kernels, section_window
 from kernel_bench.ceilings import section_ceilings
 from kernel_bench.harness import ROOT, ContextLost, Skipped, cuda_alive, free_cuda, short
 from kernel_bench.moe import section_moe
@@ -55,10 +58,11 @@ from kernel_bench.report import summary
 from kernel_bench.run import Run, environment
 from kernel_bench.steps import section_prefill, section_steps
 
-SECTIONS = ("ceilings", "kernels", "steps", "prefill", "moe")
+SECTIONS = ("ceilings", "kernels", "window", "steps", "prefill", "moe")
 SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "ceilings": section_ceilings,
     "kernels": section_kernels,
+    "window": section_window,
     "steps": section_steps,
     "prefill": section_prefill,
     "moe": section_moe,

@@ -4,7 +4,8 @@
 - timing: eager (do_bench) and CUDA-graph timing of a list of calls
 - ceilings: copy bandwidth and matmul rate (the "ceilings" section)
 - attention_cases: the attention cases, their random inputs and the float32 reference
-- attention: store_kv, paged decode and prefill, ours and FlashAttention-4 (the "kernels" section)
+- attention: store_kv, paged decode and prefill, ours and FlashAttention-4 (the "kernels" section), and
+  decode with sliding windows (the "window" section)
 - steps: decode and prefill steps through ``ModelRunner.execute`` (the "steps" and "prefill" sections)
 - run: the report being built, its units, and the fresh process after a lost CUDA context
 - report: the final table

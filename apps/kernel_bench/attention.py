@@ -1,4 +1,6 @@
-"""The "kernels" section: store_kv, paged decode and paged prefill, ours and FlashAttention-4, checked then timed."""
+"""The "kernels" section: store_kv, paged decode and paged prefill, ours and FlashAttention-4, checked then timed;
+and the "window" section: decode at a 4,096-token context with sliding windows of 128 and 1,024 tokens and
+without one, the same way (FA4 with ``window_size``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernel_bench.attention_cases import Batch, Case, attention_cases, make_inputs, rel_error
+from kernel_bench.attention_cases import Batch, Case, attention_cases, make_inputs, rel_error, window_cases
 from kernel_bench.harness import (
     DEVICE,
     DTYPE,
@@ -48,19 +50,25 @@ def attention_impls(case: Case, kernels: dict, fa4: Callable | None) -> dict[str
     impls: dict[str, AttnFn | Exception] = {}
     max_len, max_q = max(case.seq_lens), max(case.q_lens)
     ours = kernels[case.kind]
+    # no window: the calls as they were (a kernel without the argument still runs the other cases)
+    window = {} if case.window is None else {"window": case.window}
+    fa4_window = {} if case.window is None else {"window_size": (case.window - 1, 0)}
     if isinstance(ours, Exception):
         impls["ours"] = ours
     elif case.kind == "decode":
 
         def run_ours(b, kc, vc):
-            res = ours(b.q, kc, vc, b.block_tables, b.seq_lens, SCALE, max_len, out=b.out)
+            res = ours(b.q, kc, vc, b.block_tables, b.seq_lens, SCALE, max_len, out=b.out, **window)
             return b.out if res is None else res
 
         impls["ours"] = run_ours
     else:
 
         def run_ours(b, kc, vc, config=None):
-            res = ours(b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, max_q, SCALE, out=b.out, config=config)
+            res = ours(
+                b.q, kc, vc, b.cu_seqlens_q, b.seq_lens, b.block_tables, max_q, SCALE, out=b.out, config=config,
+                **window,
+            )  # fmt: skip
             return b.out if res is None else res
 
         impls["ours"] = run_ours
@@ -74,7 +82,7 @@ def attention_impls(case: Case, kernels: dict, fa4: Callable | None) -> dict[str
 
     if case.kind == "decode":
         # FA4's default is one split over the KV length; num_splits=0 asks for its own heuristic.
-        for label, extra in (("fa4", {}), ("fa4-split", {"num_splits": 0})):
+        for label, extra in (("fa4", fa4_window), ("fa4-split", {"num_splits": 0, **fa4_window})):
             impls[label] = lambda b, kc, vc, extra=extra: unwrap(
                 fa4(b.q.unsqueeze(1), kc, vc, seqused_k=b.seq_lens, page_table=b.block_tables,
                     softmax_scale=SCALE, causal=True, **extra)
@@ -82,7 +90,7 @@ def attention_impls(case: Case, kernels: dict, fa4: Callable | None) -> dict[str
     else:
         impls["fa4"] = lambda b, kc, vc: unwrap(
             fa4(b.q, kc, vc, cu_seqlens_q=b.cu_seqlens_q, max_seqlen_q=max_q, seqused_k=b.seq_lens,
-                page_table=b.block_tables, softmax_scale=SCALE, causal=True)
+                page_table=b.block_tables, softmax_scale=SCALE, causal=True, **fa4_window)
         )  # fmt: skip
     return impls
 
@@ -209,9 +217,7 @@ def load_fa4(run: Run) -> Callable | None:
     return flash_attn_varlen_func
 
 
-def section_kernels(run: Run) -> None:
-    need_cuda()
-    run.ceilings()
+def load_attention_kernels() -> dict[str, Callable | Exception]:
     kernels = {
         "store_kv": load_kernel("store_kv", "store_kv"),
         "decode": load_kernel("decode_attention", "paged_decode_attention"),
@@ -220,9 +226,30 @@ def section_kernels(run: Run) -> None:
     for key, fn in kernels.items():
         if isinstance(fn, Exception):
             print(f"   ours {key}: {short(fn)}")
+    return kernels
+
+
+def section_kernels(run: Run) -> None:
+    need_cuda()
+    run.ceilings()
+    kernels = load_attention_kernels()
     fa4 = load_fa4(run)
     torch.manual_seed(run.args.seed)
     for t in (256, 8192):
         run.unit(f"kernels/store_kv T={t}", lambda t=t: bench_store_kv(run, t, kernels["store_kv"]))
     for case in attention_cases(run.args.quick, run.args.seed):
+        run.unit(case.uid, lambda case=case: bench_attention(run, case, kernels, fa4))
+
+
+def section_window(run: Run) -> None:
+    """Decode at a 4k context: windows of 128 and 1,024 tokens against full attention. Its rows join the
+    summary's decode table (names "... w128", "... full"); TB/s and %copy count the KV the window covers.
+    At batch 1 with a 128-token window the MAX_SETS input sets read 32 MB in all, less than an H200's L2:
+    that row's times are L2-warm, a lower bound."""
+    need_cuda()
+    run.ceilings()
+    kernels = load_attention_kernels()
+    fa4 = load_fa4(run)
+    torch.manual_seed(run.args.seed)
+    for case in window_cases(run.args.quick):
         run.unit(case.uid, lambda case=case: bench_attention(run, case, kernels, fa4))
