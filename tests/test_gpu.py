@@ -1,7 +1,9 @@
 """The engine on a CUDA GPU (skipped without one): float32 token-identical to transformers with every
 backend, with and without CUDA graphs; bfloat16 backends agree with the torch reference backend
 (per-step logits, and greedy tokens except at a bf16 near-tie). Qwen3, the Llama 3 model (rope scaling,
-biases, untied) and Mistral of tests/test_hf_parity.py."""
+biases, untied) and Mistral of tests/test_hf_parity.py, and Gemma 3 (sliding and full layers), Phi-3 (a
+window on every layer) and GLM-4 (partial interleaved rotary) of tests/test_families.py: windows through
+both graph families."""
 
 import logging
 import random
@@ -15,7 +17,7 @@ from nanostream.testing import TINY_PRESETS, make_tiny_model
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="session", params=["qwen3", "llama3", "mistral"])
+@pytest.fixture(scope="session", params=["qwen3", "llama3", "mistral", "gemma3", "phi3", "glm4"])
 def gpu_model_dir(request, tmp_path_factory):
     if request.param == "qwen3":
         return request.getfixturevalue("qwen3_dir")

@@ -78,7 +78,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
         torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids), rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def moe_dir(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), **TINY_PRESETS[request.param])
 
