@@ -156,8 +156,9 @@ def test_registered_frontend_and_its_options(monkeypatch):
     parser.add_argument("--engine")
     GradioChat.add_arguments(parser)
     args = parser.parse_args(["--port", "8123", "--host", "0.0.0.0"])
-    assert (args.port, args.host, args.engine) == (8123, "0.0.0.0", None)
+    assert (args.port, args.host, args.engine, args.engine_wait) == (8123, "0.0.0.0", None, 60)
     monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    args.engine_wait = 0  # no waiting for an engine to be announced
     with pytest.raises(ValueError, match=ADDRESS_ENV):  # no address anywhere: says what to set, serves nothing
         GradioChat().run(args)
 
