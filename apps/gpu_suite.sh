@@ -27,6 +27,8 @@
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh service # issue 30: HTTP through `nanostream serve MODEL --openai-port P` at its defaults,
 #                                  #   3 rounds of 4x64 and 1,024 connections at once, then frontend --workers 8, ~7 min
+#   bash apps/gpu_suite.sh families # issue 32: gpt-oss-20b and Gemma-3-4B (dummy) on the bench workload and at
+#                                  #   batch 1, the window kernel section, the gpu-marked window/sink tests, ~5 min
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -292,6 +294,29 @@ service)
         timeout "${WORKERS_S:-150}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
             --shapes 4x64 --runs 3 --http-workers 8 --http-only "$@" >"$out/service-w8.log" 2>&1
         grep -v -E "INFO|Loading weights" "$out/service-w8.log" | tail -n 8
+    fi ;;
+families)
+    # Issue 32 in one call (~5 min): gpt-oss-20b and Gemma-3-4B (dummy bf16 weights) on the bench workload
+    # and at batch 1, bench_kernels' window section, then the gpu-marked window, sink and MoE tests while
+    # time is left (FAMILY_TESTS=0 skips them).
+    one=(--num-requests 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512)
+    for preset in gpt-oss-20b gemma-3-4b; do
+        timeout 150 python3 apps/bench.py --preset "$preset" --build-dir "/tmp/$preset" --backends triton \
+            --step-stats "$@" 2>&1 | grep -v "Loading weights" >"$out/$preset.log"
+        tail -n 12 "$out/$preset.log"
+    done
+    timeout 70 python3 apps/bench_kernels.py --sections window --out "$out/window.json" 2>&1 >"$out/window.log"
+    tail -n 14 "$out/window.log"
+    for preset in gpt-oss-20b gemma-3-4b; do
+        timeout 60 python3 apps/bench.py --preset "$preset" --build-dir "/tmp/$preset" --backends triton "${one[@]}" \
+            "$@" 2>&1 | grep -v "Loading weights" >"$out/$preset-1.log"
+        tail -n 4 "$out/$preset-1.log"
+    done
+    if [ "${FAMILY_TESTS:-1}" != 0 ]; then
+        timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_attention_window.py \
+            tests/test_kernels.py -k "window or sink" >"$out/test_window.log" 2>&1
+        echo "== window tests: $(tail -n 1 "$out/test_window.log")"
+        grep -E "^(FAILED|ERROR)" "$out/test_window.log" | head -n 5
     fi ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
