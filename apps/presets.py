@@ -140,6 +140,7 @@ PRESETS: dict[str, dict] = {
         intermediate_size=2880,
         num_local_experts=32,
         num_experts_per_tok=4,
+        swiglu_limit=7.0,
         vocab_size=201088,
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 12,
