@@ -1,4 +1,4 @@
-""""Ready" means a client can connect and be heard: what scripts and supervisors that wait for the
+""" "Ready" means a client can connect and be heard: what scripts and supervisors that wait for the
 ready line (and ``EngineProcess.start()``, and the discovery record) rely on."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ OPTIONS = dict(device="cpu", kvcache_block_size=16, max_model_len=256)
 
 
 def _serving(model_dir, address: str) -> tuple[EngineServer, threading.Thread, threading.Event, list[str]]:
-    server = EngineServer(EngineConfig(model=str(model_dir), **OPTIONS), ServerConfig(address=address, heartbeat_interval=0.1))
+    server = EngineServer(
+        EngineConfig(model=str(model_dir), **OPTIONS), ServerConfig(address=address, heartbeat_interval=0.1)
+    )
     said: list[str] = []
     ready = threading.Event()
 
