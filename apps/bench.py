@@ -293,7 +293,7 @@ class StepStats:
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
-        self.contexts: list[int] = []  # per step: the tokens its running sequences hold (the KV it reads)
+        self.contexts: list[list[int]] = []  # per step: the tokens each running sequence holds (the KV it reads)
         self.floor = StepFloor(llm) if llm.config.device.startswith("cuda") else None
         step, running = llm.engine.step, llm.engine.scheduler.running
 
@@ -301,7 +301,7 @@ class StepStats:
             start = time.perf_counter()
             result = step()
             self.steps.append((time.perf_counter() - start, result.num_prefill_tokens, result.num_decode_tokens))
-            self.contexts.append(sum(seq.num_tokens for seq in running))
+            self.contexts.append([seq.num_tokens for seq in running])
             return result
 
         llm.engine.step = timed_step
@@ -391,7 +391,8 @@ class StepStats:
 
 class StepFloor:
     """A step's floor: the time to read, once, at the device's measured copy bandwidth, the weights it
-    touches and the KV of its running sequences. Weights: all but an untied embedding (a step reads a
+    touches and the KV of its running sequences (of a sliding-window layer, at most the window of each).
+    Weights: all but an untied embedding (a step reads a
     row of it per token), and of a mixture-of-experts layer only the experts its tokens can route to:
     E (1 - (1 - K/E)^T) of E for T tokens, as if each picked K experts uniformly. A prefill step is also
     bound by its arithmetic, which this does not count: its floor is the lowest."""
@@ -411,11 +412,17 @@ class StepFloor:
         if embed is not model.lm_head.weight:
             self.dense -= embed.numel() * embed.element_size()
         self.kv_per_token = runner.kv_block_bytes / runner.block_size  # K and V of every layer
+        # a sliding layer reads at most its window of a sequence's context: (window, its share of the KV)
+        windows = [w for w in runner.spec.layer_windows if w is not None]
+        self.window_share = [(w, 1 / runner.spec.num_layers) for w in windows]
         nbytes = 1 << 30
         self.bandwidth = max(2 * nbytes / (copy_ms(nbytes) * 1e-3) for _ in range(2))  # bytes/s, read + written
 
-    def seconds(self, tokens: int, context: int) -> float:
-        nbytes = self.dense + context * self.kv_per_token
+    def seconds(self, tokens: int, contexts: list[int]) -> float:
+        """``tokens`` of the step; ``contexts``: each running sequence's tokens."""
+        read = sum(contexts) * (1 - sum(share for _, share in self.window_share))
+        read += sum(share * min(c, w) for w, share in self.window_share for c in contexts)
+        nbytes = self.dense + read * self.kv_per_token
         for k, m in self.experts:
             e = m.w13.shape[0]
             touched = e * (1 - (1 - k / e) ** tokens)
@@ -428,7 +435,8 @@ class StepFloor:
         )
         return (
             f"floor: weights {self.dense / 1e9:.2f} GB dense + {experts / 1e9:.2f} GB of experts (the touched share), "
-            f"KV {self.kv_per_token / 1024:.0f} KiB a context token, at {self.bandwidth / 1e12:.2f} TB/s"
+            f"KV {self.kv_per_token / 1024:.0f} KiB a context token (a sliding layer's share within its window), "
+            f"at {self.bandwidth / 1e12:.2f} TB/s"
         )
 
 
