@@ -19,7 +19,6 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from nanostream import ModelLoadError
 from nanostream.layers.rotary import (
-    Llama3RopeScaling,
     LongRopeScaling,
     RopeSpec,
     RotaryEmbedding,
@@ -104,15 +103,6 @@ def test_llama_rotary_with_its_scalings(params):
     spec = _spec(config.rope_parameters, 64, config)
     assert spec.rope_type == params["rope_type"] and spec.head_order(64) is None
     _assert_same_rotation(spec, 64, modeling_llama, modeling_llama.LlamaRotaryEmbedding(config), POSITIONS)
-
-
-def test_llama3_tables_as_before():
-    # The tables of the constructor models/decoder.py calls until it passes a RopeSpec.
-    scaling = Llama3RopeScaling(8.0, 1.0, 4.0, ORIGINAL)
-    legacy = RotaryEmbedding(64, 4096, 500000.0, scaling)
-    spec = RotaryEmbedding(64, 4096, RopeSpec(500000.0, scaling))
-    assert torch.equal(legacy.cos, spec.cos) and torch.equal(legacy.sin, spec.sin)
-    assert not torch.equal(spec.cos, RotaryEmbedding(64, 4096, RopeSpec(500000.0)).cos)
 
 
 def test_qwen3_yarn():

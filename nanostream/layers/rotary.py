@@ -367,19 +367,8 @@ class RotaryEmbedding(nn.Module):
     ``spec``, and ``kernel``, fixed at construction, that rotates with them. Where ``spec.head_order(head_dim)``
     is not None, q and k must come in that order (their projection rows permuted once, ``permute_heads``)."""
 
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        spec: RopeSpec | float,
-        scaling: Llama3RopeScaling | None = None,
-        kernel: RotaryFn = apply_rotary,
-    ) -> None:
+    def __init__(self, head_dim: int, max_position: int, spec: RopeSpec, kernel: RotaryFn = apply_rotary) -> None:
         super().__init__()
-        if not isinstance(spec, RopeSpec):  # models/decoder.py's call (theta, scaling) until it passes a RopeSpec
-            spec = RopeSpec(float(spec), scaling)
-        elif scaling is not None:
-            raise TypeError("RotaryEmbedding takes the scaling in its RopeSpec, not beside it")
         self.spec = spec
         cos, sin = spec.tables(head_dim, max_position)
         self.register_buffer("cos", cos, persistent=False)
