@@ -17,6 +17,7 @@ from nanostream.layers.activation import ACTIVATIONS
 from nanostream.layers.moe import ClampedSwiGLU, MoESpec
 from nanostream.layers.rotary import RopeSpec, rope_spec
 from nanostream.models.decoder import DecoderSpec, LayerNorms
+from nanostream.models.quantization import fp8_spec
 
 LLAMA_NORMS = LayerNorms()
 GEMMA_NORMS = LayerNorms(
@@ -231,15 +232,7 @@ def _layer_windows(hf_config: Any, arch_name: str, arch: Architecture, max_model
 
 
 def _refuse_unsupported(hf_config: Any, name: str, arch: Architecture) -> None:
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = (
-            quant.get("quant_method", "unnamed") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        )
-        raise ModelLoadError(
-            f"{name} checkpoint quantized with {method!r} (quantization_config in config.json): nanostream loads "
-            "unquantized weights (bfloat16, float16, float32); use an unquantized checkpoint"
-        )
+    fp8_spec(getattr(hf_config, "quantization_config", None), name)  # refuses what does not load, by name
     if getattr(hf_config, "attn_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{name} with attn_logit_softcapping is not supported; nanostream caps only final logits")
     if getattr(hf_config, "use_bidirectional_attention", False):

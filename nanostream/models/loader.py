@@ -2,10 +2,13 @@
 random ones (``load_format="dummy"``).
 
 Tensors are read as safetensors slices: a module that holds part of a tensor (a tensor-parallel shard, a
-part of a fused projection, one expert's rows) reads only that part of the file."""
+part of a fused projection, one expert's rows) reads only that part of the file. An FP8 weight is read whole
+with its scale and dequantized (models/quantization.py), then placed in the same way."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import zlib
 from pathlib import Path
@@ -15,7 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from nanostream.errors import ModelLoadError
+from nanostream.layers.linear import TensorSlice
 from nanostream.models.architectures import supported_list
+from nanostream.models.quantization import Fp8Spec, fp8_spec
 
 # Checkpoint tensors that hold nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -89,7 +94,11 @@ def load_weights(model: nn.Module, path: Path) -> None:
     modules (Mixtral's ``block_sparse_moe`` is ``mlp``); an MoE block's experts come per expert
     (``checkpoint_expert_tensors``: ``experts.3.gate_proj.weight`` is part "gate.3" of ``experts.w13``) or
     stacked (``checkpoint_stacked_experts``: ``experts.gate_up_proj``), and the ``Experts`` module's
-    ``load_shard`` says which of its parts each filled."""
+    ``load_shard`` says which of its parts each filled.
+
+    An FP8 checkpoint (config.json's ``quantization_config``, models/quantization.py): each FP8 weight is read
+    whole with its scale and dequantized in float32 on the parameter's device, and that tensor is placed as
+    above (the copy casts it to the parameter's dtype); its scale is consumed with it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
@@ -99,34 +108,43 @@ def load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())
     spec = getattr(model, "spec", None)
     tied = getattr(spec, "tie_word_embeddings", False)
+    arch = getattr(spec, "architecture", "this model")
+    fp8 = fp8_spec(_quantization_config(path), arch)
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for file in files:
-        with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard = _resolve(model, name)
-                param = params.get(target)
-                if param is None:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_slice(name)
-                module = model.get_submodule(target.rsplit(".", 1)[0])
-                filled = None
-                with torch.no_grad():
-                    if shard is not None:
-                        filled = module.load_shard(param, tensor, shard)
-                    elif hasattr(module, "load_weight"):
-                        filled = module.load_weight(param, tensor)  # a fused module: the parts it filled
-                    else:
-                        shape = tuple(tensor.get_shape())
-                        if tuple(param.shape) != shape:
-                            raise ModelLoadError(f"{name}: checkpoint shape {shape}, model {tuple(param.shape)}")
-                        param.copy_(tensor[:])
-                loaded.update(f"{target}:{s}" for s in (filled or [shard]))
+    with contextlib.ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(os.fspath(file), framework="pt", device="cpu")) for file in files]
+        where = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+        scales = fp8.scales(where) if fp8 else {}
+        consumed = set(scales.values())
+        for name in where:
+            if (
+                name in consumed
+                or name.endswith(_IGNORED_SUFFIXES)
+                or (tied and name == "lm_head.weight")
+                or (fp8 and fp8.is_unread(name))
+            ):
+                continue
+            target, shard = _resolve(model, name)
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            tensor = _read(name, where, scales, fp8, param.device)
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            filled = None
+            with torch.no_grad():
+                if shard is not None:
+                    filled = module.load_shard(param, tensor, shard)
+                elif hasattr(module, "load_weight"):
+                    filled = module.load_weight(param, tensor)  # a fused module: the parts it filled
+                else:
+                    shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())
+                    if tuple(param.shape) != shape:
+                        raise ModelLoadError(f"{name}: checkpoint shape {shape}, model {tuple(param.shape)}")
+                    param.copy_(tensor[:])
+            loaded.update(f"{target}:{s}" for s in (filled or [shard]))
     if unexpected:
-        arch = getattr(spec, "architecture", "this model")
         raise ModelLoadError(
             f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "
             f"{', '.join(unexpected[:3])}; is config.json's architectures right? nanostream runs {supported_list()}"
@@ -135,6 +153,30 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if missing:
         shown = ", ".join(m.replace(":None", "") for m in missing[:5])
         raise ModelLoadError(f"{path} lacks {len(missing)} weight(s) the model needs, e.g. {shown}")
+
+
+def _quantization_config(path: Path) -> dict | None:
+    config = path / "config.json"
+    return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+
+
+def _read(name: str, where: dict, scales: dict[str, str], fp8: Fp8Spec | None, device: torch.device) -> TensorSlice:
+    """Checkpoint tensor ``name`` (``where``: each name's open file): a safetensors slice, or for an FP8 weight
+    (in ``scales``) its real values, float32 on ``device``; an FP8 tensor without a scale is refused."""
+    if name in scales:
+        scale = scales[name]
+        return fp8.dequantize(name, where[name].get_tensor(name).to(device), where[scale].get_tensor(scale))
+    tensor = where[name].get_slice(name)
+    dtype = tensor.get_dtype()
+    if not dtype.startswith("F8"):
+        return tensor
+    if fp8 is None:
+        why = "config.json has no quantization_config to say how to read it"
+    elif fp8.leaves_unquantized(name.rsplit(".", 1)[0]):
+        why = "quantization_config's ignore list leaves its module unquantized"
+    else:
+        why = f"the checkpoint lacks its scale, {' or '.join(name + s for s in fp8.scale_suffixes)}"
+    raise ModelLoadError(f"{name} is stored as {dtype} without a scale: {why}")
 
 
 DUMMY_GAIN = 0.5
@@ -150,7 +192,8 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     stacked experts N(0, (DUMMY_GAIN / sqrt(fan_in))^2) (fan_in: the last dimension).
 
     Each parameter's values come from a generator seeded by its name (and ``seed``) on its own device, so
-    every tensor-parallel rank holds the same router, norms and biases."""
+    every tensor-parallel rank holds the same router, norms and biases. An FP8 config's model gets them in its
+    compute dtype too, as an FP8 checkpoint's loads: FP8 dummy weights with scales wait for the FP8 GEMMs."""
     for name, param in model.named_parameters():
         gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if param.dim() == 1 and name.endswith("norm.weight"):
