@@ -1,0 +1,283 @@
+"""FP8 weight checkpoints load dequantized (models/quantization.py): a tiny random Qwen3 written by the test in
+each layout, its weights quantized the way the format says and its scales under the format's names, gives
+transformers' greedy ids on the dequantized twin (the same checkpoint with each FP8 weight replaced by its real
+value, in float32); so does a Qwen3-MoE's per-expert checkpoint, and two gloo ranks compute what one does.
+
+The layouts: block-wise ``quant_method: "fp8"`` (blocks of 48 x 40 that leave partial blocks at every matrix's
+edge, an untied lm_head quantized too), per-tensor ``"fp8"``, and compressed-tensors' ``float-quantized`` per
+channel (an ignore list: lm_head by name, layer 1's MLP by regex) and per tensor (bfloat16 scales, static input
+scales, not read, and a kv_cache_scheme). What nanostream does not load is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_hf_parity import greedy, hf_greedy, random_prompts
+from test_tp import in_threads, spec_of
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3Config
+
+from nanostream import LLM, ModelLoadError, SamplingParams
+from nanostream.distributed import SINGLE, TensorParallel
+from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.sequence import Sequence
+from nanostream.engine.step_inputs import pack_step
+from nanostream.layers.attention import ForwardContext
+from nanostream.layers.attention_backend import TorchAttention
+from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.models import decoder_spec, load_model
+from nanostream.models.quantization import Fp8Spec, fp8_spec
+from nanostream.testing import TINY_PRESETS, make_tiny_model
+
+CPU = torch.device("cpu")
+FP8, FP8_MAX = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+BLOCK = (48, 40)  # q [64, 96] is 2 x 3 blocks, the last row and column of them partial; k [32, 96] one row
+TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    config: dict
+    scale: str  # what a weight's name takes to name its scale
+    strategy: str  # "block", "channel" or "tensor"
+    scale_dtype: torch.dtype = torch.float32
+    scalar: bool = False  # a per-tensor scale of shape [] (transformers' FineGrainedFP8), not [1]
+    static_inputs: bool = False  # each linear's input_scale written too: nanostream does not read it
+    ignore: tuple[str, ...] = ()  # regexes of the modules left unquantized
+
+
+def _ct(strategy: str, inputs: dict, **config) -> dict:
+    weights = dict(num_bits=8, type="float", symmetric=True, strategy=strategy, dynamic=False, group_size=None,
+                   block_structure=None, actorder=None, observer="minmax", observer_kwargs={})  # fmt: skip
+    group = dict(targets=["Linear"], weights=weights, input_activations=inputs, output_activations=None)
+    return dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"group_0": group},
+                quantization_status="compressed", kv_cache_scheme=None, **config)  # fmt: skip
+
+
+DYNAMIC_TOKENS = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+STATIC_TENSOR = dict(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+LAYOUTS = {
+    "fp8-block": Layout(
+        dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=list(BLOCK), fmt="e4m3"),
+        "_scale_inv",
+        "block",
+    ),
+    "fp8-tensor": Layout(
+        dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=None),
+        "_scale_inv",
+        "tensor",
+        scalar=True,
+    ),
+    "ct-channel": Layout(
+        _ct("channel", DYNAMIC_TOKENS, ignore=["lm_head", r"re:.*layers\.1\.mlp\."]),
+        "_scale",
+        "channel",
+        ignore=(r"lm_head", r".*layers\.1\.mlp\."),
+    ),
+    "ct-tensor": Layout(
+        _ct("tensor", STATIC_TENSOR, ignore=["lm_head"]) | dict(kv_cache_scheme=STATIC_TENSOR),
+        "_scale",
+        "tensor",
+        scale_dtype=torch.bfloat16,  # as llm-compressor stores a bf16 model's scales
+        static_inputs=True,
+        ignore=("lm_head",),
+    ),
+}
+
+
+def quantize(w: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [out, in] as the format stores it, FP8 and its scale, and its real value ``fp8 × scale`` (float32),
+    block by block."""
+    rows, cols = w.shape
+    bo, bi = {"block": BLOCK, "channel": (1, cols), "tensor": (rows, cols)}[layout.strategy]
+    q, real = torch.empty(w.shape, dtype=FP8), torch.empty(w.shape)
+    scale = torch.empty(-(-rows // bo), -(-cols // bi), dtype=layout.scale_dtype)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = (slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi))
+            scale[i, j] = w[part].abs().max() / FP8_MAX  # rounded to the scale's dtype, then used
+            s = scale[i, j].float()
+            q[part] = (w[part] / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            real[part] = q[part].float() * s
+    if layout.strategy == "tensor":
+        scale = scale.reshape(() if layout.scalar else (1,))
+    return q, scale, real
+
+
+def write_fp8(src: Path, dst: Path, twin: Path, layout: Layout) -> None:
+    """``dst``: ``src`` with each linear weight (not an ignored module's, nor the MoE router's) in FP8 and its
+    scales; ``twin``: ``src`` with those weights replaced by their real values."""
+    tensors = load_file(src / "model.safetensors")
+    stored, real = {}, {}
+    for name, w in tensors.items():
+        module = name.removesuffix(".weight")
+        linear = name.endswith(".weight") and re.search(r"(_proj|lm_head)$", module)
+        if not linear or any(re.match(p, module) for p in layout.ignore):
+            stored[name] = real[name] = w
+            continue
+        stored[name], stored[name + layout.scale], real[name] = quantize(w, layout)
+        if layout.static_inputs:
+            stored[f"{module}.input_scale"] = torch.rand(1)
+    for path, out in ((dst, stored), (twin, real)):
+        shutil.copytree(src, path)
+        save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | {"quantization_config": layout.config}))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The tiny Qwen3 of hidden size 96 (so no block divides the matrices), its lm_head untied."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3"), seed=21, hidden_size=96, intermediate_size=160,
+                           tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(qwen3, tmp_path_factory):
+    """Each layout's FP8 directory and its dequantized twin."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        base = tmp_path_factory.mktemp(name)
+        write_fp8(qwen3, base / "fp8", base / "twin", layout)
+        out[name] = base / "fp8", base / "twin"
+    return out
+
+
+def assert_greedy_matches_transformers(fp8: Path, twin: Path) -> None:
+    prompts = random_prompts([1, 9, 40, 70], seed=3)
+    llm = LLM(str(fp8), dtype="float32", device="cpu", kvcache_block_size=16)
+    outputs = llm.generate(prompts, greedy(TOKENS), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, TOKENS), f"prompt of {len(prompt)} tokens diverged"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_an_fp8_checkpoint_gives_transformers_greedy_ids_on_its_dequantized_weights(layout, checkpoints):
+    fp8, twin = checkpoints[layout]
+    stored = load_file(fp8 / "model.safetensors")
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
+    assert stored["model.layers.1.mlp.down_proj.weight"].dtype == (torch.float32 if layout == "ct-channel" else FP8)
+    assert stored["lm_head.weight"].dtype == (FP8 if layout.startswith("fp8") else torch.float32)
+    assert_greedy_matches_transformers(fp8, twin)
+
+
+def test_a_qwen3_moe_checkpoint_of_fp8_experts(tmp_path):
+    src = make_tiny_model(tmp_path / "src", **TINY_PRESETS["qwen3_moe"])  # per expert: experts.3.gate_proj.weight
+    block = LAYOUTS["fp8-block"]  # the routers (mlp.gate) unquantized, as the published checkpoints leave them
+    layout = dataclasses.replace(block, config=block.config | dict(modules_to_not_convert=["mlp.gate"]))
+    write_fp8(src, tmp_path / "fp8", tmp_path / "twin", layout)
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert stored["model.layers.0.mlp.experts.5.down_proj.weight_scale_inv"].shape == (2, 1)  # [64, 32]: 48 rows
+    assert stored["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router, left unquantized
+    assert_greedy_matches_transformers(tmp_path / "fp8", tmp_path / "twin")
+
+
+def test_two_ranks_split_an_fp8_checkpoint_and_compute_what_one_does(checkpoints):
+    path = checkpoints["fp8-block"][0]
+    spec = spec_of(path)
+
+    def forward(tp: TensorParallel):
+        model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp)
+        kv = allocate_kv_pool(spec, 8, 8, torch.float32, CPU, model.shard.num_kv_heads)
+        seq = Sequence("s", list(range(3, 40)), SamplingParams(), max_tokens=1, sampling_seed=0,
+                       stop_token_ids=frozenset())  # fmt: skip
+        seq.block_table = list(range(8))
+        inputs = pack_step([WarmupChunk(seq, 0, 37)], 8, CPU)
+        with torch.inference_mode():
+            hidden = model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv))
+            return model.compute_logits(hidden[inputs.sample_rows])
+
+    expected = forward(SINGLE)
+    out = in_threads(2, forward)
+    assert out[1] is None  # rank 0 gathers the vocabulary's halves
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)  # the row-parallel sums add in another order
+    assert torch.equal(out[0].argmax(-1), expected.argmax(-1))
+
+
+def test_dummy_weights_for_a_quantized_config(tmp_path):
+    path = make_tiny_model(tmp_path, weights=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": LAYOUTS["fp8-block"].config}))
+    out = LLM(str(path), device="cpu", load_format="dummy").generate([[5, 6, 7]], greedy(4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+def _spec(**quantization_config):
+    config = Qwen3Config(architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=96, head_dim=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         quantization_config=quantization_config)  # fmt: skip
+    return decoder_spec(config, max_model_len=256)
+
+
+NVFP4 = dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16, dynamic=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (dict(quant_method="gptq", bits=4), r"quantized with 'gptq'.*nanostream loads quant_method 'fp8'"),
+        (dict(quant_method="bitsandbytes"), r"quantized with 'bitsandbytes'"),
+        (dict(_ct("tensor", None), config_groups={"g": dict(weights=NVFP4)}),
+         r"config_groups\.g\.weights\.num_bits=4"),
+        (_ct("group", None), r"config_groups\.group_0\.weights\.strategy='group'"),
+        (_ct("channel", None) | dict(format="pack-quantized"), r"format='pack-quantized'"),
+        (_ct("channel", dict(DYNAMIC_TOKENS, dynamic=False)), r"input_activations=.*dynamic per token or static"),
+        (_ct("channel", None) | dict(kv_cache_scheme=dict(num_bits=8, type="int")), r"kv_cache_scheme\.type='int'"),
+        (dict(quant_method="fp8", activation_scheme="static", weight_block_size=[128, 128]),
+         r"activation_scheme='static' with weight_block_size \(block-wise FP8 is dynamic\)"),
+        (dict(quant_method="fp8", weight_block_size=[128]), r"weight_block_size=\[128\] \(two positive integers"),
+        (dict(quant_method="fp8", weight_block_size=[128, 128], fmt="e5m2"), r"fmt='e5m2'"),
+    ],
+)  # fmt: skip
+def test_what_does_not_load_is_refused_by_name(config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        _spec(**config)
+
+
+def test_weight_only_fp8_and_transformers_config_objects_read():
+    _spec(**_ct("channel", None))  # no input_activations: activations are not quantized here anyway
+    config = FineGrainedFP8Config(weight_block_size=(32, 64), modules_to_not_convert=["lm_head"])
+    assert fp8_spec(config, "Qwen3ForCausalLM") == Fp8Spec("fp8", (32, 64), unquantized=("lm_head",))
+
+
+def _broken(checkpoints, tmp_path, change) -> Path:
+    path = tmp_path / "broken"
+    shutil.copytree(checkpoints["fp8-block"][0], path)
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.pop(Q + "_scale_inv"), f"{Q} is stored as F8_E4M3 without a scale: the checkpoint lacks"),
+        (lambda t: t.pop(Q), f"holds the scale {Q}_scale_inv but not its weight {Q}$"),
+        (lambda t: t.update({Q + "_scale_inv": torch.ones(3, 3)}),
+         r"of shape \[64, 96\] has a scale of shape \[3, 3\]; blocks of 48 x 40: \[2, 3\]"),
+    ],
+)  # fmt: skip
+def test_a_missing_or_misshapen_scale_is_refused(checkpoints, tmp_path, change, message):
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(_broken(checkpoints, tmp_path, change)), dtype="float32", device="cpu")
+
+
+def test_an_fp8_weight_of_a_module_the_ignore_list_leaves_unquantized_is_refused(checkpoints, tmp_path):
+    path = tmp_path / "ignored"
+    shutil.copytree(checkpoints["fp8-tensor"][0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="lm_head.weight_scale_inv: a scale for a module that"):
+        LLM(str(path), dtype="float32", device="cpu")
