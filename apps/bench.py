@@ -502,7 +502,9 @@ def load_workload(
     """The model's HF config, the resolved engine config and the workload; prints what they are."""
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(model)
+    from nanostream.models.architectures import text_config
+
+    hf_config = text_config(AutoConfig.from_pretrained(model))  # a multimodal checkpoint: its language model's
     cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
         max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
     )

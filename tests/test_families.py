@@ -159,3 +159,37 @@ def test_gpt_oss_streams_through_serve_and_the_openai_client_as_transformers_gen
     assert len(chunks) > 10  # streamed, not one piece
     expected = tokenizer.decode(hf_greedy(hf_model_cache(path), prompt, 40), skip_special_tokens=True)
     assert "".join(chunks) == expected
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
+    # Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: its language model runs, text in and
+    # text out, as transformers' whole model generates from text alone; the vision tower is not loaded.
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from nanostream.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    text = {**TINY_PRESETS["gemma3"], "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128}
+    text.pop("architecture"), text.pop("seed")
+    text.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
+    text.update(query_pre_attn_scalar=24, sliding_window=24, final_logit_softcapping=8.0)
+    text.update(layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=500, boi_token_index=501, eoi_token_index=502)  # fmt: skip
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(
+                1.0 + 0.1 * torch.randn_like(param) if name.endswith("norm.weight") else 0.15 * torch.randn_like(param)
+            )
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = random_prompts([5, 60], seed=28)
+    outputs = LLM(str(tmp_path), device="cpu", kvcache_block_size=8).generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()

@@ -31,6 +31,7 @@ from nanostream.engine.stats import StepCounters
 from nanostream.engine.workers import WorkerGroup, agreed_config
 from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from nanostream.models import decoder_spec
+from nanostream.models.architectures import text_config
 from nanostream.models.loader import resolve_model_path
 from nanostream.protocol import EngineStats, RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
@@ -72,7 +73,8 @@ class LLMEngine:
         except Exception as exc:
             raise ModelLoadError(f"cannot read {self.model_path / 'config.json'}: {exc}") from exc
         self.config = config = config.resolve(
-            max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
+            max_position_embeddings=text_config(hf_config).max_position_embeddings,
+            cuda_available=torch.cuda.is_available(),
         )
         spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
         self.workers: WorkerGroup | None = None
@@ -89,7 +91,7 @@ class LLMEngine:
                     raise
                 raise error from exc
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = read_eos_token_ids(self.model_path, hf_config)
+        self.eos_token_ids = read_eos_token_ids(self.model_path, text_config(hf_config))
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )
@@ -108,12 +110,13 @@ class LLMEngine:
         self._failed_steps = 0  # in a row
         self._counters = StepCounters()
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)",
             self.model_path,
             config.device,
             config.dtype,
             self.block_manager.num_blocks,
             config.kvcache_block_size,
+            str(self.runner.kv_dtype).removeprefix("torch."),
         )
         # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
         # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms

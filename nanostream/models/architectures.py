@@ -9,6 +9,8 @@ activation, a quantization method, attention logit soft-capping) is refused with
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +163,26 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Multimodal checkpoints whose language model nanostream serves on its own (text in, text out): the wrapper's
+architecture -> its text model's. The language model's tensors sit under ``language_model.``; the vision tower
+and the projector are not loaded."""
+
+
+def text_config(hf_config: Any) -> Any:
+    """The config of the decoder nanostream runs: ``hf_config`` itself, or a multimodal wrapper's text config
+    (``TEXT_MODELS``), with the wrapper's quantization_config."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    wrapper = next((a for a in architectures if a in TEXT_MODELS), None)
+    if wrapper is None or getattr(hf_config, "text_config", None) is None:
+        return hf_config
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = [TEXT_MODELS[wrapper]]
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None:
+        text.quantization_config = quant
+    return text
+
 
 def supported_list() -> str:
     return ", ".join(SUPPORTED_ARCHITECTURES)
@@ -306,6 +328,9 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     ``max_model_len``: the engine's (resolved) limit. Sliding windows at least that long hide no token, so
     a model whose windows all are runs as full attention."""
     architectures = getattr(hf_config, "architectures", None) or []
+    if any(a in TEXT_MODELS for a in architectures):  # a multimodal checkpoint: its language model alone
+        spec = decoder_spec(text_config(hf_config), max_model_len=max_model_len)
+        return dataclasses.replace(spec, checkpoint_prefix="language_model.")
     name = next((a for a in architectures if a in ARCHITECTURES), None)
     if name is None:
         raise ModelLoadError(

@@ -89,6 +89,8 @@ class DecoderSpec:
     """Each layer's sliding window (None: full attention); empty: every layer full."""
     sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
     rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
+    checkpoint_prefix: str = ""
+    """Where a multimodal checkpoint keeps this decoder's tensors (``language_model.``); the rest is not loaded."""
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -307,6 +309,8 @@ class DecoderForCausalLM(nn.Module):
         "q_norm": ("attn.q_norm", None),
         "k_norm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
+        "k_scale": ("attn.kv_scales.k_scale", None),  # an FP8 KV cache's scales (llm-compressor's, vLLM's names)
+        "v_scale": ("attn.kv_scales.v_scale", None),
     }
     # Mixtral's published name of its MoE block, gpt-oss's of its router
     checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate"}

@@ -117,15 +117,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
         where = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
         scales = fp8.scales(where) if fp8 else {}
         consumed = set(scales.values())
+        prefix = getattr(spec, "checkpoint_prefix", "")  # a multimodal checkpoint's language model
         for name in where:
+            local = name.removeprefix(prefix)
             if (
                 name in consumed
+                or not name.startswith(prefix)  # its vision tower, its projector: not this model's
                 or name.endswith(_IGNORED_SUFFIXES)
-                or (tied and name == "lm_head.weight")
+                or (tied and local == "lm_head.weight")
                 or (fp8 and fp8.is_unread(name))
             ):
                 continue
-            target, shard = _resolve(model, name)
+            target, shard = _resolve(model, local)
             param = params.get(target)
             if param is None:
                 unexpected.append(name)
