@@ -1,5 +1,10 @@
 """What both attention kernels share: the online softmax's start (with a sink or without) and the fold of
-one paged K/V tile into it."""
+one paged K/V tile into it.
+
+An FP8 pool's tiles are widened to the queries' dtype as they load (exactly: every e4m3 value is a
+bfloat16, float16 and float32 value) and its scales are folded in where they cost one multiply, not one a
+K/V element: k_scale into the logits' scale (q . k_stored * k_scale * softmax scale) and v_scale into the
+output (sum p v_stored * v_scale), so a dot runs as it does on a pool in the model's dtype."""
 
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ def fold_kv_tile(
     q, m, denom, acc,
     k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
     n0, kv_end, q_pos, window,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     """Attend the queries ``q`` [M, BLOCK_D] to context positions [n0, n0 + BLOCK_N).
 
@@ -50,7 +55,8 @@ def fold_kv_tile(
     (m, denom, acc): running max (base 2), running sum and unnormalised output, updated and returned.
     With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or at or
     before ``q_pos - window`` are left out; without it the caller guarantees the whole tile is visible
-    to every query. A row that has seen no visible key yet keeps max -inf and sum 0.
+    to every query. A row that has seen no visible key yet keeps max -inf and sum 0. FP8_KV: the pool is
+    float8 e4m3, its tiles widened to q's dtype (its scales are the caller's: ``qk_scale`` holds k_scale).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASK:
@@ -63,6 +69,9 @@ def fold_kv_tile(
     slot = (page.to(tl.int64) * PAGE + pos % PAGE) * stride_slot
     k = tl.load(k_cache_ptr + slot[:, None] + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_cache_ptr + slot[:, None] + kv_offs, mask=kv_mask, other=0.0)
+    if FP8_KV:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if IEEE:  # noqa: SIM108 (float32 operands: exact products, not TF32, for token-exact float32 runs)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

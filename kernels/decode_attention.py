@@ -11,7 +11,8 @@ context length, and each new constant would compile a kernel (a stall of ~0.3 s)
 A sliding window is a runtime argument too: a sequence attends only [max(0, seq_len - window), seq_len),
 and that range is what the splits share, so their count follows min(context bound, window) and a window
 of 128 tokens costs 128 tokens, whatever the context. Attention sinks (one logit per query head) start
-split 0's softmax, so the merge counts each sink once.
+split 0's softmax, so the merge counts each sink once. An FP8 pool (float8 e4m3, with the layer's
+k_scale and v_scale) is read as kernels/attention_tile.py says; each split's output carries v_scale.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from nanostream.kernels._device import LOG2E, num_sms
 from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
+from nanostream.layers.attention_backend import check_kv_scales
 
 MAX_SPLITS = 64
 
@@ -30,12 +32,16 @@ MAX_SPLITS = 64
 # none may compile a variant.
 @triton.jit(do_not_specialize=["stride_tb", "num_splits", "window"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):  # fmt: skip
+    if FP8_KV:  # the stored keys' scale joins the logits' (the scale pointers are unread otherwise)
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,17 +71,19 @@ def _decode_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
         )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     empty = denom == 0.0  # a split past the end of a short sequence
     o = acc / tl.where(empty, 1.0, denom)[:, None]
+    if FP8_KV:  # the stored values' scale, once an output element
+        o = o * tl.load(v_scale_ptr)
     if num_splits == 1:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], o, mask=out_mask)
     else:
@@ -123,6 +131,8 @@ def paged_decode_attention(
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -130,7 +140,8 @@ def paged_decode_attention(
     [B, W] int32; seq_lens: [B] int32, each in [1, max_seq_len] and covered by its block table row.
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
     ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
-    denominator logit per query head (None: none). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
+    denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn
+    caches and only then (K read as stored * k_scale). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
 
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
     """
@@ -139,7 +150,10 @@ def paged_decode_attention(
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
-    assert q.stride(2) == 1 and k_cache.dtype == q.dtype, (q.stride(), q.dtype, k_cache.dtype)
+    fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    assert q.stride(2) == 1 and v_cache.dtype == k_cache.dtype and (fp8 or k_cache.dtype == q.dtype), (
+        q.stride(), q.dtype, k_cache.dtype, v_cache.dtype,
+    )  # fmt: skip
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()
     if out is None:
@@ -159,12 +173,14 @@ def paged_decode_attention(
     else:  # unused; float32 all the same, so that the kernel's signature, and its compiled variant, is one
         part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, q if sinks is None else sinks, out, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, q if sinks is None else sinks,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
+        out, part, lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         splits, window,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
-        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
+        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:

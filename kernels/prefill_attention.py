@@ -9,7 +9,8 @@ before the first query need no mask; only the tiles that reach the diagonal are 
 With a sliding window (a runtime argument: no variant per window) a query at p sees (p - window, p]:
 a program reads from its first query's window start, masks the tiles before its last query's window
 start as well as the diagonal ones, and needs no mask in between. Attention sinks start each row's
-softmax from its head's sink logit.
+softmax from its head's sink logit. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is
+read as kernels/attention_tile.py says.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ import triton.language as tl
 
 from nanostream.kernels._device import LOG2E
 from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
+from nanostream.layers.attention_backend import check_kv_scales
 
 
 # The block-table width changes every step, the window from layer to layer: neither compiles a variant.
 @triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -38,6 +41,8 @@ def _prefill_kernel(
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
     if m_tile * BLOCK_M >= q_len:
         return
+    if FP8_KV:  # the stored keys' scale joins the logits' (the scale pointers are unread otherwise)
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     seq_len = tl.load(seq_lens_ptr + b)
     prefix = seq_len - q_len  # context tokens before the first query
 
@@ -67,21 +72,23 @@ def _prefill_kernel(
     for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
         )  # fmt: skip
     for n0 in range(full_start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE,
+            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
         )  # fmt: skip
 
     # Rows past q_len saw only masked keys (denom = 0) and are not stored.
     o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    if FP8_KV:  # the stored values' scale, once an output element
+        o = o * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
         o,
@@ -103,6 +110,8 @@ def paged_prefill_attention(
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their paged contexts.
 
@@ -112,7 +121,8 @@ def paged_prefill_attention(
     ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
     ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``sinks``:
-    [Hq], one softmax-denominator logit per query head (None: none)::
+    [Hq], one softmax-denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32,
+    with float8_e4m3fn caches and only then (K read as stored * k_scale)::
 
         out = paged_prefill_attention(q, k_cache, v_cache, cu_q, lens, tables, 512, 0.125, window=128)
     """
@@ -122,7 +132,10 @@ def paged_prefill_attention(
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
-    assert q.stride(2) == 1 and k_cache.dtype == q.dtype, (q.stride(), q.dtype, k_cache.dtype)
+    fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
+    assert q.stride(2) == 1 and v_cache.dtype == k_cache.dtype and (fp8 or k_cache.dtype == q.dtype), (
+        q.stride(), q.dtype, k_cache.dtype, v_cache.dtype,
+    )  # fmt: skip
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.shape == (batch + 1,), cu_seqlens_q.shape
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
@@ -143,12 +156,14 @@ def paged_prefill_attention(
         block_m, block_n, num_warps, num_stages = config
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks, out,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
+        out,
         scale * LOG2E,
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         window,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None,
+        PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -4,6 +4,9 @@ and the K/V store into the paged pool, straight from the fused qkv projection's 
 Unfused, these are six kernels per layer (two norms, the cos/sin gather, two rotations, the store); at
 decode batch sizes each is a few microseconds of launch-bound work, and 28 layers of them cost a
 decode step about a third of a millisecond on an H200.
+
+Into an FP8 pool the rotated k (rounded to the model's dtype first, as the unfused modules leave it) and
+v go as k / k_scale and v / v_scale, saturated at +-448 (kernels/store_kv.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nanostream.kernels.store_kv import quantize_fp8
+from nanostream.layers.attention_backend import check_kv_scales
 
 
 @triton.jit
@@ -35,10 +41,11 @@ def _norm_rope(
 @triton.jit
 def _qkv_prologue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_scale_ptr, v_scale_ptr,
     stride_t, stride_qo, stride_cs, stride_cos, eps, weight_offset,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-    F32_WEIGHT: tl.constexpr,
+    F32_WEIGHT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # One program per token: its q heads go to q_out, its k (normed, rotated) and v heads to slot `slot`.
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -76,12 +83,17 @@ def _qkv_prologue_kernel(
     x1 = tl.load(k_row + offs, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(k_row + offs + HALF, mask=m, other=0.0).to(tl.float32)
     o1, o2 = _norm_rope(x1, x2, kw1, kw2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
-    cache_ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + slot * stride_cs + offs, o1.to(cache_ty), mask=m)
-    tl.store(k_cache_ptr + slot * stride_cs + offs + HALF, o2.to(cache_ty), mask=m)
     v_row = k_row + NUM_KV_HEADS * HEAD_DIM
     v1 = tl.load(v_row + offs, mask=m)
     v2 = tl.load(v_row + offs + HALF, mask=m)
+    if FP8:  # an FP8 pool: K and V divided by the layer's scales (unread otherwise)
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        o1, o2 = quantize_fp8(o1, k_scale), quantize_fp8(o2, k_scale)
+        v1, v2 = quantize_fp8(v1, v_scale), quantize_fp8(v2, v_scale)
+    cache_ty = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + slot * stride_cs + offs, o1.to(cache_ty), mask=m)
+    tl.store(k_cache_ptr + slot * stride_cs + offs + HALF, o2.to(cache_ty), mask=m)
     tl.store(v_cache_ptr + slot * stride_cs + offs, v1.to(cache_ty), mask=m)
     tl.store(v_cache_ptr + slot * stride_cs + offs + HALF, v2.to(cache_ty), mask=m)
 
@@ -101,6 +113,9 @@ def qkv_prologue(
     num_kv_heads: int,
     out: torch.Tensor | None = None,
     weight_offset: float | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rotated (and, with norm weights, QK-normed) queries [T, Hq, D]; k and v go to the caches.
 
@@ -109,6 +124,7 @@ def qkv_prologue(
     neither. The caches: [num_blocks, block_size, Hkv, D], contiguous; slot_mapping [T] int64, -1 = skip.
     ``out``: where the queries go (contiguous), else a new tensor. ``weight_offset``: the norms' rounding
     (``nanostream.layers.norm``): None as Llama's, a number multiplies by weight + offset in float32.
+    ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn caches and only then (stored: k / k_scale).
     """
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -121,6 +137,8 @@ def qkv_prologue(
     assert cos.stride() == sin.stride() and cos.stride(1) == 1, (cos.stride(), sin.stride())
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
+    fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     norm = q_norm_weight is not None
     assert (k_norm_weight is not None) == norm, "give both QK-norm weights or neither"
     if norm:
@@ -133,9 +151,11 @@ def qkv_prologue(
         qkv, positions, cos, sin,
         q_norm_weight if norm else cos, k_norm_weight if norm else cos,  # unread without a norm
         q, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else cos, v_scale if fp8 else cos,  # unread without FP8
         qkv.stride(0), q.stride(0), num_kv_heads * head_dim, cos.stride(0), eps, float(weight_offset or 0.0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, F32_WEIGHT=weight_offset is not None,
+        FP8=fp8,
     )  # fmt: skip
     return q

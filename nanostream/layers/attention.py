@@ -12,7 +12,8 @@ rotary embedding (where the layer has it), the store of the new K/V at
 (layers/attention_backend.py). How is fixed when the layer is built: with a backend that brings a
 fused prologue (Triton), one kernel norms, rotates and stores; otherwise the modules do, and the
 backend stores. What changes per step (``AttentionMetadata``, the KV pool) comes in ``ForwardContext``;
-what is the layer's own (its softmax scale, sliding window, gpt-oss's sinks) is fixed when it is built.
+what is the layer's own (its softmax scale, sliding window, gpt-oss's sinks, its FP8 KV scales) is fixed
+when it is built (the scales when it is loaded).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.attention_backend import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata, KVCache
 from nanostream.layers.linear import TensorSlice
 from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
 from nanostream.layers.rotary import RotaryEmbedding
@@ -51,6 +52,53 @@ class HeadSinks(nn.Module):
         param.data.copy_(part)
 
 
+class KVScales(nn.Module):
+    """A layer's scales of an FP8 KV cache (``kv_cache_dtype="fp8"``): K is stored as k / k_scale in float8
+    e4m3 (saturated at +-448) and read back as stored * k_scale, V likewise; one float32 each per layer.
+
+    They come from the checkpoint where it has them (``self_attn.k_scale`` / ``v_scale``, as llm-compressor
+    and vLLM name them), else they are 1.0, as vLLM's are. A cache in the model's dtype does not read them.
+    To calibrate: run the model in its own dtype on prompts like the ones it will serve, keep each
+    layer's largest |k| and |v| as stored (after the QK-norm and rotary), and write
+    ``k_scale = amax_k / 448`` and ``v_scale = amax_v / 448`` as float32 tensors of shape [1] under those
+    names into a safetensors file of the model directory (README: "FP8 KV cache").
+
+    ``scales()`` gives the tensors the backends take. Random weights (``load_format="dummy"``) leave them at
+    1.0: only a checkpoint's tensor replaces them.
+    """
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("_unit", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.from_checkpoint = False
+
+    def shards(self, param: nn.Parameter) -> tuple[str, ...]:
+        """The parts of ``param`` a checkpoint must hold: none, these are optional (models/loader.py)."""
+        return ()
+
+    def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> None:
+        value = loaded[:].to(torch.float32)
+        name = f"layer {self.layer_idx}'s {'k_scale' if param is self.k_scale else 'v_scale'}"
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} of shape {list(value.shape)}: nanostream takes one KV scale per layer (a per-tensor "
+                "kv_cache_scheme), not one per head or channel"
+            )
+        if not (torch.isfinite(value).all() and value.item() > 0):
+            raise ValueError(f"{name} must be a positive finite number, the checkpoint holds {value.item()}")
+        param.data.copy_(value.reshape(1))
+        self.from_checkpoint = True
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_scale, v_scale), [1] float32 on the layer's device: the checkpoint's, else ones."""
+        if self.from_checkpoint:
+            return self.k_scale, self.v_scale
+        return self._unit, self._unit
+
+
 class Attention(nn.Module):
     """qkv [T, (Hq + 2 Hkv) D] of the step's new tokens -> attention output [T, Hq D].
 
@@ -59,7 +107,8 @@ class Attention(nn.Module):
     table for this layer's kind, shared by its layers; None: no rotary embedding (SmolLM3's NoPE layers).
     ``norm_kernel`` runs the QK-norm where no fused prologue does. ``scale``: the softmax scale (None:
     head_dim ** -0.5); ``window``: a sliding window of that many positions, itself included; ``sinks``:
-    gpt-oss's per-head sink logits.
+    gpt-oss's per-head sink logits. ``kv_scales``: the scales of an FP8 KV cache (1.0 until a checkpoint's
+    load), passed to the backend when the pool is FP8.
     """
 
     def __init__(
@@ -86,6 +135,7 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.sinks = sinks
+        self.kv_scales = KVScales(layer_idx)
         self.backend = backend
         self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
         self.rotary = rotary
@@ -107,6 +157,9 @@ class Attention(nn.Module):
             options["window"] = self.window
         if self.sinks is not None:
             options["sinks"] = self.sinks.weight
+        scales = {}  # an FP8 pool's K and V scales, for the store and the attention
+        if cache.k.dtype == FP8_KV_DTYPE:
+            scales["k_scale"], scales["v_scale"] = self.kv_scales.scales()
         if self.qk_norm_whole:
             q, k, v = qkv.split(self.split_sizes, -1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), -1)
@@ -120,8 +173,9 @@ class Attention(nn.Module):
             q = self.prologue(
                 qkv, positions, cos, sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
                 self.num_heads, self.num_kv_heads, weight_offset=self.q_norm.weight_offset if per_head else None,
+                **scales,
             )  # fmt: skip
-            return self.backend.attend(q, cache, ctx.attn, self.scale, **options).flatten(1)
+            return self.backend.attend(q, cache, ctx.attn, self.scale, **options, **scales).flatten(1)
         q, k, v = qkv.split(self.split_sizes, -1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -130,4 +184,4 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale, **options).flatten(1)
+        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale, **options, **scales).flatten(1)

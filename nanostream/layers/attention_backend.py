@@ -4,6 +4,10 @@
 Backends: ``torch`` (reference, any device, here), ``triton`` (nanostream's kernels,
 layers/triton_attention.py) and ``flash_attn`` (FlashAttention-4 or -2, layers/flash_attention.py).
 The ``Attention`` layer (layers/attention.py) is built with one and calls it.
+
+The pool is in the model's dtype, or in float8 e4m3 (``kv_cache_dtype="fp8"``): then each layer passes
+its ``k_scale`` and ``v_scale`` ([1] float32 tensors), and a backend stores ``quantize_kv(k, k_scale)``
+and reads ``dequantize_kv(stored, k_scale)`` (likewise V), as the torch backend here does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,34 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+"""448, e4m3's largest value: a stored K or V element saturates here (e4m3fn has no infinity, and a cast past
+it would be NaN on some devices)."""
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` in float32, saturated at +-448, as float8 e4m3 (``scale``: [1] float32)."""
+    return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``stored * scale`` in float32, as ``dtype`` (the model's)."""
+    return (stored.float() * scale).to(dtype)
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the pool is FP8 (so K and V are scaled); raise ``ValueError`` unless [1] float32 scales come
+    with an FP8 pool, and only with one."""
+    fp8 = cache_dtype == FP8_KV_DTYPE
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        raise ValueError(
+            f"k_scale and v_scale go with a {FP8_KV_DTYPE} KV cache, and only with one; this cache is {cache_dtype}"
+        )
+    if fp8 and not all(s.shape == (1,) and s.dtype == torch.float32 for s in (k_scale, v_scale)):
+        raise ValueError(f"k_scale and v_scale must be [1] float32 tensors, got {k_scale!r} and {v_scale!r}")
+    return fp8
 
 
 @dataclass
@@ -100,6 +132,7 @@ class AttentionBackend(ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D].
 
@@ -107,7 +140,8 @@ class AttentionBackend(ABC):
         the keys at positions p - window < k <= p (``window`` of them, its own included); None: all up to p.
         ``sinks``: [Hq] float32, gpt-oss's attention sinks: one logit per query head that joins each
         query's softmax denominator and carries no value, out = sum_k e^s_k v_k / (sum_k e^s_k + e^sink).
-        Both are the layer's, fixed for its life::
+        ``k_scale``, ``v_scale``: [1] float32, given with an FP8 pool and only then: K/V are stored as
+        ``quantize_kv(k, k_scale)`` and read as ``dequantize_kv``. All are the layer's, fixed for its life::
 
             out = backend.forward(q, k, v, cache, meta, head_dim**-0.5, window=128, sinks=layer.sinks)
         """
@@ -115,6 +149,7 @@ class AttentionBackend(ABC):
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
         raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
@@ -130,19 +165,25 @@ class TorchAttention(AttentionBackend):
     """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device.
 
     With ``sinks`` the softmax is written out (SDPA has no sink term): float32 logits, the sink as one
-    more column, as transformers' gpt-oss eager attention computes it.
+    more column, as transformers' gpt-oss eager attention computes it. An FP8 pool is read back
+    dequantized in the model's dtype, then attended as a pool in that dtype would be.
     """
 
     name = "torch"
 
-    def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None):
+    def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None, k_scale=None, v_scale=None):
         check_window(window)
+        fp8 = check_kv_scales(cache.k.dtype, k_scale, v_scale)
         k_pool = cache.k.view(-1, *cache.k.shape[2:])  # [num_slots, Hkv, D]
         v_pool = cache.v.view(-1, *cache.v.shape[2:])
-        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        if fp8:  # (index_copy_ has no float8 kernel on the CPU: the bytes are copied)
+            k_pool.view(torch.uint8).index_copy_(0, meta.slot_mapping, quantize_kv(k, k_scale).view(torch.uint8))
+            v_pool.view(torch.uint8).index_copy_(0, meta.slot_mapping, quantize_kv(v, v_scale).view(torch.uint8))
+        else:
+            k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
         if meta.is_decode:
-            return self._decode(q, cache, meta, scale, window, sinks)
+            return self._decode(q, cache, meta, scale, window, sinks, k_scale, v_scale)
         out = torch.empty_like(q)
         bs = cache.block_size
         for i, seq_len in enumerate(meta.seq_lens_host):
@@ -150,7 +191,8 @@ class TorchAttention(AttentionBackend):
             slots = self._slots(meta.block_tables[i], seq_len, bs)
             # [1, H, L, D] views for SDPA
             qi = q[start:end].transpose(0, 1)[None]
-            ki, vi = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]
+            ki = self._gather(k_pool, slots, k_scale, q.dtype).transpose(0, 1)[None]
+            vi = self._gather(v_pool, slots, v_scale, q.dtype).transpose(0, 1)[None]
             # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own
             # (and, with a window, > its own - window).
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
@@ -160,6 +202,13 @@ class TorchAttention(AttentionBackend):
                 mask &= k_pos > q_pos - window
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _gather(
+        pool: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``pool[index]``, dequantized to ``dtype`` where the pool is FP8 (``scale`` given)."""
+        return pool[index] if scale is None else dequantize_kv(pool[index], scale, dtype)
 
     @staticmethod
     def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -184,14 +233,14 @@ class TorchAttention(AttentionBackend):
         out = p.reshape(n, hkv, hq // hkv * lq, -1) @ v.to(dtype)
         return out.view(n, hq, lq, d).to(q.dtype)
 
-    def _decode(self, q, cache, meta, scale, window, sinks):
+    def _decode(self, q, cache, meta, scale, window, sinks, k_scale, v_scale):
         # All sequences at once: gather each block table's blocks, mask positions past seq_len (and,
         # with a window, those at or before seq_len - 1 - window).
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
-        k = cache.k[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-        v = cache.v[tables].flatten(1, 2).transpose(1, 2)
+        k = self._gather(cache.k, tables, k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+        v = self._gather(cache.v, tables, v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
         pos = torch.arange(k.shape[2], device=q.device)[None, :]
         mask = pos < meta.seq_lens[:, None]  # [B, L]
         if window is not None:

@@ -14,14 +14,21 @@ log = logging.getLogger(__name__)
 
 
 def get_backend(
-    name: str, device: torch.device, *, dtype: torch.dtype, block_size: int, head_dim: int
+    name: str,
+    device: torch.device,
+    *,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend called ``name``. ``auto``: on CUDA, FlashAttention when it is installed and supports
-    this GPU and layout, else the Triton kernels, else torch; elsewhere torch."""
+    this GPU, layout and KV pool (``kv_cache_dtype``, None: the model's ``dtype``), else the Triton kernels,
+    else torch; elsewhere torch."""
     reasons = {
         "torch": lambda: None,
-        "triton": lambda: triton_unavailable_reason(device),
-        "flash_attn": lambda: flash_attn_unavailable_reason(device, dtype, block_size, head_dim),
+        "triton": lambda: triton_unavailable_reason(device, kv_cache_dtype),
+        "flash_attn": lambda: flash_attn_unavailable_reason(device, dtype, block_size, head_dim, kv_cache_dtype),
     }
     classes = {"torch": TorchAttention, "triton": TritonAttention, "flash_attn": FlashAttention}
     if name == "auto":

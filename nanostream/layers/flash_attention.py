@@ -15,7 +15,9 @@ A sliding window goes to either version as ``window_size=(window - 1, 0)`` (Flas
 query at p sees keys in [p - left, p + right]). Attention sinks go to FA4 as ``learnable_sink``, which it
 takes in bfloat16 only: a bfloat16 model's (whose sinks are bfloat16 values, so the cast is exact).
 FA2 has no sinks, and FA4 none in float16: those calls run nanostream's Triton kernels
-(layers/triton_attention.py) over the same pool instead. Use::
+(layers/triton_attention.py) over the same pool instead. An FP8 KV cache is refused: FA2 reads none, and
+FA4's FP8 attention (flash_attn.cute, 2026) takes q, k and v all in FP8, on Blackwell (sm100) only, where
+nanostream's queries stay in the model's dtype; the Triton backend reads it. Use::
 
     reason = flash_attn_unavailable_reason(torch.device("cuda"), torch.bfloat16, block_size=256, head_dim=128)
     backend = FlashAttention() if reason is None else TorchAttention()
@@ -28,7 +30,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
+from nanostream.layers.attention_backend import (
+    FP8_KV_DTYPE,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    check_kv_scales,
+    check_window,
+)
 from nanostream.layers.triton_attention import TritonAttention
 
 FA4_ARCHS = (9, 10, 11)  # compute-capability majors where FA4 reads paged KV: Hopper, Blackwell
@@ -36,6 +45,10 @@ FA2_MIN_ARCH = 8
 FA2_PAGE_MULTIPLE = 256  # FA2 rejects a paged KV block size that is not a multiple of 256
 DTYPES = (torch.float16, torch.bfloat16)
 NOT_INSTALLED = "flash_attn is not installed (pip install flash-attn-4 on Hopper/Blackwell, flash-attn on Ampere/Ada)"
+FP8_KV_REFUSED = (
+    "FlashAttention does not read an FP8 KV cache (kv_cache_dtype='fp8'): FlashAttention-2 has no FP8, and "
+    "FlashAttention-4's takes FP8 queries too, on Blackwell only; use attention_backend='triton' with it"
+)
 
 # (q [T, Hq, D], this layer's pool, metadata, softmax scale, window, sinks) -> [T, Hq, D]; the new K/V are
 # already stored
@@ -63,8 +76,12 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _plan(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> tuple[int, str | None]:
+def _plan(
+    device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype | None = None
+) -> tuple[int, str | None]:
     """(FlashAttention version to use, None) or (0, why none can run)."""
+    if kv_cache_dtype == FP8_KV_DTYPE:
+        return 0, FP8_KV_REFUSED
     has4, has2 = _fa4_installed(), _fa2_installed()
     if not (has4 or has2):
         return 0, NOT_INSTALLED
@@ -98,16 +115,17 @@ def _plan(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: i
 
 
 def flash_attn_unavailable_reason(
-    device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int
+    device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: torch.dtype | None = None
 ) -> str | None:
     """None when ``FlashAttention`` runs with these settings; else one line that says what to change.
 
-    ``dtype`` is the model's (and the KV pool's), ``block_size`` the KV block size in tokens::
+    ``dtype`` is the model's, ``kv_cache_dtype`` the KV pool's (None: the model's; FP8 is refused),
+    ``block_size`` the KV block size in tokens::
 
         if (reason := flash_attn_unavailable_reason(device, torch.bfloat16, 16, 128)) is not None:
             raise ValueError(f"attention_backend='flash_attn': {reason}")
     """
-    return _plan(device, dtype, block_size, head_dim)[1]
+    return _plan(device, dtype, block_size, head_dim, kv_cache_dtype)[1]
 
 
 def _first(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -194,17 +212,23 @@ class FlashAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
+        if check_kv_scales(cache.k.dtype, k_scale, v_scale):
+            raise ValueError(f"attention backend 'flash_attn' cannot run: {FP8_KV_REFUSED}")
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
         return self.attend(q, cache, meta, scale, window=window, sinks=sinks)
 
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         check_window(window)
+        if check_kv_scales(cache.k.dtype, k_scale, v_scale):
+            raise ValueError(f"attention backend 'flash_attn' cannot run: {FP8_KV_REFUSED}")
         if self._kernel is None:
-            version, reason = _plan(q.device, cache.k.dtype, cache.block_size, q.shape[-1])
+            version, reason = _plan(q.device, q.dtype, cache.block_size, q.shape[-1], cache.k.dtype)
             if reason is not None:
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()

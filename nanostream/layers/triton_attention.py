@@ -1,4 +1,5 @@
-"""The ``triton`` attention backend: nanostream's own kernels (``nanostream.kernels``), any CUDA GPU."""
+"""The ``triton`` attention backend: nanostream's own kernels (``nanostream.kernels``), any CUDA GPU; with an
+FP8 KV cache, a GPU that converts float8 e4m3 (sm89 and newer: Ada, Hopper, Blackwell)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,33 @@ import os
 
 import torch
 
-from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
+from nanostream.layers.attention_backend import (
+    FP8_KV_DTYPE,
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    check_window,
+)
+
+FP8_MIN_ARCH = (8, 9)  # Triton converts float8 e4m3 (its fp8e4nv) on sm89 and newer
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when the Triton kernels can run on ``device``, else what is missing."""
+def triton_unavailable_reason(device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str | None:
+    """None when the Triton kernels can run on ``device`` with a KV pool of ``kv_cache_dtype`` (None: the
+    model's dtype), else what is missing."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed (pip install triton)"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"the Triton kernels need a CUDA device, not {device.type} (or TRITON_INTERPRET=1 to interpret them)"
+    if kv_cache_dtype == FP8_KV_DTYPE and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_MIN_ARCH:
+            return (
+                f"the Triton kernels read an FP8 KV cache on sm89 or newer GPUs (Ada, Hopper, Blackwell), this one "
+                f"is sm{major}{minor}; use kv_cache_dtype='auto' here"
+            )
     return None
 
 
@@ -38,16 +55,18 @@ class TritonAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        self._store(k, v, cache.k, cache.v, meta.slot_mapping)
-        return self.attend(q, cache, meta, scale, window=window, sinks=sinks)
+        self._store(k, v, cache.k, cache.v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return self.attend(q, cache, meta, scale, window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
         *, window: int | None = None, sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         check_window(window)
-        extra = dict(window=window, sinks=sinks)
+        extra = dict(window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
             return self._decode(
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k, **extra
