@@ -150,9 +150,10 @@ def run_nanostream(
     ``after(llm)`` once the timed run is over."""
     llm = LLM(str(model), seed=seed, **engine_kwargs)
     cfg = llm.config
+    kv_dtype = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     print(
         f"nanostream: {cfg.device} {cfg.dtype}, {llm.engine.block_manager.num_blocks} KV blocks of "
-        f"{cfg.kvcache_block_size}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
+        f"{cfg.kvcache_block_size} ({kv_dtype}), max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
         f"{cfg.max_num_batched_tokens}, attention {llm.engine.runner.backend.name}"
     )
     llm.generate(

@@ -14,6 +14,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class EngineConfig:
     load_format: str = "auto"
     """auto: the model directory's *.safetensors weights; dummy: small random values of config.json's shapes
     (the directory needs only config.json and a tokenizer), for benchmarks of shapes without a checkpoint."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype. auto: the model's. fp8 (fp8_e4m3): float8 e4m3, one byte an element, so twice the KV
+    blocks of a bfloat16 cache at the same memory; K and V are stored divided by a per-layer scale (the
+    checkpoint's k_scale/v_scale, else 1.0). The torch and triton attention backends read it, not flash_attn."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -98,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"worker_timeout must be a positive number of seconds, got {self.worker_timeout!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

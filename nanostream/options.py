@@ -13,11 +13,16 @@ import json
 import textwrap
 from typing import Any
 
-from nanostream.config import ATTENTION_BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
+from nanostream.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
-CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "load_format": LOAD_FORMATS}
+CHOICES = {
+    "dtype": DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "load_format": LOAD_FORMATS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -103,8 +103,7 @@ def bench_steps(run: Run, path: Path, backend: str, eager: bool, batches: tuple[
     try:
         runner = llm.engine.runner
         randomize_kv(runner)
-        spec = runner.spec
-        kv_token_bytes = spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * runner.dtype.itemsize
+        kv_token_bytes = runner.kv_block_bytes / runner.block_size  # K and V of every layer, in the pool's dtype
         steps = min(run.args.steps, 10) if run.args.quick else run.args.steps
         for batch in batches:
             row: dict[str, Any] = {"backend": backend, "mode": "eager" if eager else "graph", "batch": batch}

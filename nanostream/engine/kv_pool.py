@@ -1,9 +1,11 @@
 """The KV pool: how many blocks fit, and the one allocation that holds them all.
 
-The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D]; each layer's ``KVCache`` is a
-view of it. Its size is, in order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on
-CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured by running it); on CPU, at
-most 1 GiB and never more than the engine can ever fill. With tensor parallelism each rank sizes the pool
+The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D] in the KV cache's dtype
+(``kv_dtype``: the model's, or float8 e4m3 with ``kv_cache_dtype="fp8"``, one byte an element: twice a
+bfloat16 pool's blocks in the same bytes); each layer's ``KVCache`` is a view of it. Its size is, in
+order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on CUDA, what
+``gpu_memory_utilization`` leaves after the worst step (measured by running it); on CPU, at most 1 GiB and
+never more than the engine can ever fill. With tensor parallelism each rank sizes the pool
 of its own KV heads on its own device, and the ranks then take the smallest block count (``ModelRunner``).
 
 Also the start-up steps that run on a pool (kernels compile there, not mid-serving), and the warning
@@ -21,7 +23,7 @@ import torch
 from nanostream.config import EngineConfig
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import ModelLoadError
-from nanostream.layers.attention_backend import KVCache
+from nanostream.layers.attention_backend import FP8_KV_DTYPE, KVCache
 from nanostream.models import DecoderSpec
 from nanostream.sampling_params import SamplingParams
 
@@ -30,8 +32,14 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+def kv_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV pool's dtype for a resolved config: the model's (``kv_cache_dtype="auto"``) or float8 e4m3."""
+    return getattr(torch, config.dtype) if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
+
+
 def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """Bytes of one block; ``num_kv_heads``: this rank's KV heads (default: all of the model's)."""
+    """Bytes of one block in the pool's ``dtype`` (``kv_dtype``); ``num_kv_heads``: this rank's KV heads
+    (default: all of the model's)."""
     hkv = num_kv_heads or spec.num_kv_heads
     return 2 * spec.num_layers * block_size * hkv * spec.head_dim * dtype.itemsize
 

@@ -30,6 +30,7 @@ from nanostream.engine.cuda_graphs import DecodeGraphs
 from nanostream.engine.kv_pool import (
     allocate_kv_pool,
     kv_block_bytes,
+    kv_dtype,
     measure_cuda_kv_budget,
     plan_num_kv_blocks,
     short_chunk_steps,
@@ -90,6 +91,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = kv_dtype(config)  # the KV pool's: the model's, or float8 e4m3
         self.block_size = config.kvcache_block_size
         self.spec = spec
         self.vocab_size = self.spec.vocab_size
@@ -102,6 +104,7 @@ class ModelRunner:
             dtype=self.dtype,
             block_size=self.block_size,
             head_dim=self.spec.head_dim,
+            kv_cache_dtype=self.kv_dtype,
         )
         kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
         self.model = load_model(
@@ -158,10 +161,10 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.spec, self.block_size, self.dtype, self.num_kv_heads)
+        return kv_block_bytes(self.spec, self.block_size, self.kv_dtype, self.num_kv_heads)
 
     def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
-        return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads)
+        return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.kv_dtype, self.device, self.num_kv_heads)
 
     def _cuda_kv_budget(self) -> int:
         return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, self._run_worst_step)

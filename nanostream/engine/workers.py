@@ -41,6 +41,7 @@ from nanostream.distributed.rendezvous import (
 )
 from nanostream.distributed.sharding import check_split
 from nanostream.engine.control import Setup, StepWriter, Stop, encode
+from nanostream.engine.kv_pool import kv_dtype
 from nanostream.engine.step_inputs import Chunk
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.layers.backends import get_backend
@@ -210,6 +211,7 @@ def agreed_config(config: EngineConfig, spec: DecoderSpec, local_rank: int) -> E
         dtype=getattr(torch, config.dtype),
         block_size=config.kvcache_block_size,
         head_dim=spec.head_dim,
+        kv_cache_dtype=kv_dtype(config),
     )
     return dataclasses.replace(config, device=device, attention_backend=backend.name)
 
