@@ -489,13 +489,15 @@ def test_fp8_kernels_against_bf16_at_a_real_shape(kernel):
 
 
 @gpu
-def test_fp8_cache_through_cuda_graphs(qwen3_dir):
-    # Decode steps replayed from CUDA graphs (the scales are tensors the graphs read, not baked-in floats)
-    # give the eager engine's ids, with the Triton kernels and a bfloat16 model.
-    prompts = [[5, 6, 7, 8], list(range(3, 90)), [9] * 17]
-    outs = [
-        LLM(str(qwen3_dir), kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=eager,
-            kvcache_block_size=16).generate(prompts, GREEDY, use_tqdm=False)
-        for eager in (False, True)
-    ]  # fmt: skip
-    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+def test_fp8_cache_through_cuda_graphs(qwen3_dir, tmp_path):
+    # Decode steps replayed from CUDA graphs give the eager engine's ids (float32, the Triton kernels, a
+    # checkpoint's scales: tensors the graphs read where they were at capture, not floats baked into them).
+    path = with_scales(qwen3_dir, tmp_path / "scaled", {"k_scale": [0.011, 0.009], "v_scale": [0.013, 0.01]})
+    prompts = [[5, 6, 7, 8], list(range(3, 300)), [9] * 17]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=eager,
+                  kvcache_block_size=16)  # fmt: skip
+        assert (llm.engine.runner.graphs is None) == eager and layer_scales(llm)[0] == pytest.approx((0.011, 0.013))
+        outs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert outs[0] == outs[1]
