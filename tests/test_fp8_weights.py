@@ -281,3 +281,21 @@ def test_an_fp8_weight_of_a_module_the_ignore_list_leaves_unquantized_is_refused
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="lm_head.weight_scale_inv: a scale for a module that"):
         LLM(str(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("names", [("self_attn.k_scale", "self_attn.v_scale"),
+                                   ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale")])  # fmt: skip
+def test_a_kv_cache_schemes_scales_load_into_the_fp8_cache(checkpoints, tmp_path, names):
+    # llm-compressor's names (and AutoFP8's older ones) of the per-layer KV scales: read by an FP8 cache.
+    fp8, twin = checkpoints["ct-tensor"]
+    path = tmp_path / "kv"
+    shutil.copytree(fp8, path)
+    tensors = load_file(path / "model.safetensors")
+    for layer in range(2):
+        for name, value in zip(names, (0.25, 0.5), strict=True):
+            tensors[f"model.layers.{layer}.{name}"] = torch.tensor([value + layer])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), dtype="float32", device="cpu", kvcache_block_size=16, kv_cache_dtype="fp8")
+    scales = [layer.self_attn.attn.kv_scales.scales() for layer in llm.engine.runner.model.model.layers]
+    assert [(k.item(), v.item()) for k, v in scales] == [(0.25, 0.5), (1.25, 1.5)]
+    assert_greedy_matches_transformers(path, twin)  # in the model's dtype the scales change nothing

@@ -24,6 +24,13 @@ from nanostream.models.quantization import Fp8Spec, fp8_spec
 
 # Checkpoint tensors that hold nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Older names of an FP8 KV cache's per-layer scales (AutoFP8's, vLLM's earlier ones) -> ``self_attn.k_scale`` etc.
+_KV_SCALE_NAMES = {
+    "self_attn.k_proj.output_scale": "self_attn.k_scale",
+    "self_attn.v_proj.output_scale": "self_attn.v_scale",
+    "self_attn.k_proj.k_scale": "self_attn.k_scale",
+    "self_attn.v_proj.v_scale": "self_attn.v_scale",
+}
 
 
 def resolve_model_path(model: str) -> Path:
@@ -120,6 +127,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
         prefix = getattr(spec, "checkpoint_prefix", "")  # a multimodal checkpoint's language model
         for name in where:
             local = name.removeprefix(prefix)
+            for old, new in _KV_SCALE_NAMES.items():
+                if local.endswith("." + old):
+                    local = local.removesuffix(old) + new
             if (
                 name in consumed
                 or not name.startswith(prefix)  # its vision tower, its projector: not this model's
