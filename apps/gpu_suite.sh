@@ -29,6 +29,7 @@
 #                                  #   3 rounds of 4x64 and 1,024 connections at once, then frontend --workers 8, ~7 min
 #   bash apps/gpu_suite.sh families # issue 32: gpt-oss-20b and Gemma-3-4B (dummy) on the bench workload and at
 #                                  #   batch 1, the window kernel section, the gpu-marked window/sink tests, ~5 min
+#   bash apps/gpu_suite.sh fp8kv   # issue 33's KV half: the FP8 KV gpu tests, the 0.6B bench with bf16 and FP8 KV
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -318,6 +319,15 @@ families)
         echo "== window tests: $(tail -n 1 "$out/test_window.log")"
         grep -E "^(FAILED|ERROR)" "$out/test_window.log" | head -n 5
     fi ;;
+fp8kv)
+    # Issue 33's KV half (~4 min): the gpu-marked FP8 KV tests, then the bench workload on the 0.6B shape with
+    # a bf16 cache and an FP8 one, one call, side by side.
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_kv.py >"$out/test_fp8_kv.log" 2>&1
+    echo "== FP8 KV tests: $(tail -n 1 "$out/test_fp8_kv.log")"; grep -E "^(FAILED|ERROR)" "$out/test_fp8_kv.log" | head -n 5
+    for kv in auto fp8; do
+        timeout 120 "${bench[@]}" --backends triton --kv-cache-dtype "$kv" --step-stats "$@" 2>&1 \
+            | grep -v "Loading weights" | tee "$out/bench-kv-$kv.log" | tail -n 6
+    done ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac
