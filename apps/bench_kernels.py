@@ -29,6 +29,9 @@ Sections (a failure in one prints its error and the next one runs; without CUDA 
 - moe: one MoE layer's routed experts (Qwen3-30B-A3B's; Mixtral-8x7B's without --quick) at 1, 16, 64 and 256
   tokens: the fused Triton kernel (its tile table's choice and a sweep of tiles) and the torch path, against
   the floor (the experts the tokens touch, read once, at the copy bandwidth); apps/kernel_bench/moe.py.
+- fp8: one linear layer at Qwen3-8B's shapes and 1 to 4,096 tokens: bf16 against the block-scaled FP8 GEMM
+  (nanostream.kernels.fp8_gemm, activations quantized in the call) and torch._scaled_mm per channel;
+  apps/kernel_bench/fp8.py.
 
 A CUDA error that poisons the process (an illegal address in a kernel under development) ends this
 process's work: what is left runs in a fresh child process, skipping the unit that crashed.
@@ -52,13 +55,14 @@ from pathlib import Path
 import torch
 from kernel_bench.attention import section_kernels, section_window
 from kernel_bench.ceilings import section_ceilings
+from kernel_bench.fp8 import section_fp8
 from kernel_bench.harness import ROOT, ContextLost, Skipped, cuda_alive, free_cuda, short
 from kernel_bench.moe import section_moe
 from kernel_bench.report import summary
 from kernel_bench.run import Run, environment
 from kernel_bench.steps import section_prefill, section_steps
 
-SECTIONS = ("ceilings", "kernels", "window", "steps", "prefill", "moe")
+SECTIONS = ("ceilings", "kernels", "window", "steps", "prefill", "moe", "fp8")
 SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "ceilings": section_ceilings,
     "kernels": section_kernels,
@@ -66,6 +70,7 @@ SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "steps": section_steps,
     "prefill": section_prefill,
     "moe": section_moe,
+    "fp8": section_fp8,
 }
 
 
