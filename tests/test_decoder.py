@@ -109,6 +109,9 @@ def test_sliding_windows_per_layer_and_only_where_they_hide_tokens():
         (Gemma3TextConfig, "Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "bidirectional"),
         (Gemma3TextConfig, "Gemma3ForCausalLM", dict(hidden_activation="relu"), "hidden_activation='relu'"),
         (LlamaConfig, "LlamaForCausalLM", dict(hidden_act="gelu"), "hidden_act='gelu'.*runs silu, swish"),
+        (Gemma3TextConfig, "Gemma3ForCausalLM", dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0"),
+        (Gemma3TextConfig, "Gemma3ForCausalLM", dict(final_logit_softcapping=float("nan")), "softcapping=nan"),
+        (GraniteConfig, "GraniteForCausalLM", dict(logits_scaling=-1.0), "logits_scaling=-1.0"),
         (
             Qwen3Config,
             "Qwen3ForCausalLM",

@@ -90,11 +90,12 @@ def test_glm4_rotary_needs_its_permuted_heads(family_dirs):
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids != ours
 
 
-@pytest.mark.parametrize("name", ["gemma3", "olmo2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma3", "olmo2", "gpt_oss", "smollm3"])
 def test_triton_kernels_run_the_families_like_transformers(name, family_dirs, hf_model_cache):
     # Under Triton's interpreter without a GPU: the fused prologue's (1 + w) QK-norm (Gemma 3) and the whole-
     # projection norm before it (OLMo 2), the norm kernels' float32 weight, GeGLU, the windowed kernels, the
-    # sinks and the fused MoE kernel's biases and clamped SwiGLU (gpt-oss).
+    # sinks and the fused MoE kernel's biases and clamped SwiGLU (gpt-oss), the prologue's identity table for
+    # a layer without rotary embedding (SmolLM3).
     path = family_dirs(name)
     shared = random_prompts([30], seed=25)[0]
     prompts = [shared + tail for tail in random_prompts([1, 12], seed=26)]

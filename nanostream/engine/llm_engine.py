@@ -72,8 +72,9 @@ class LLMEngine:
             hf_config = AutoConfig.from_pretrained(self.model_path)
         except Exception as exc:
             raise ModelLoadError(f"cannot read {self.model_path / 'config.json'}: {exc}") from exc
+        text = text_config(hf_config)  # a multimodal checkpoint's language model
         self.config = config = config.resolve(
-            max_position_embeddings=text_config(hf_config).max_position_embeddings,
+            max_position_embeddings=text.max_position_embeddings,
             cuda_available=torch.cuda.is_available(),
         )
         spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
@@ -91,7 +92,7 @@ class LLMEngine:
                     raise
                 raise error from exc
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = read_eos_token_ids(self.model_path, text_config(hf_config))
+        self.eos_token_ids = read_eos_token_ids(self.model_path, text)
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )

@@ -135,13 +135,15 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
         self.sinks = sinks
+        # the backend's defaults (full attention, no sinks) unless this layer departs from them
+        self._options = {} if window is None else {"window": window}
         self.kv_scales = KVScales(layer_idx)
         self.backend = backend
         self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
         self.rotary = rotary
         if rotary is None:  # the prologue rotates by an identity table: cos 1, sin 0
-            self.register_buffer("_cos", torch.ones(1, head_dim // 2, dtype=torch.float32), persistent=False)
-            self.register_buffer("_sin", torch.zeros(1, head_dim // 2, dtype=torch.float32), persistent=False)
+            self.register_buffer("_cos", torch.ones(head_dim // 2, dtype=torch.float32), persistent=False)
+            self.register_buffer("_sin", torch.zeros(head_dim // 2, dtype=torch.float32), persistent=False)
         self.qk_norm = qk_norm_eps is not None
         self.qk_norm_whole = self.qk_norm and qk_norm_whole
         if self.qk_norm:
@@ -152,11 +154,7 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # positions: [T], qkv: [T, (Hq + 2 Hkv) D]
         cache = ctx.kv_caches[self.layer_idx]
-        options = {}  # the backend's defaults (full attention, no sinks) unless this layer departs from them
-        if self.window is not None:
-            options["window"] = self.window
-        if self.sinks is not None:
-            options["sinks"] = self.sinks.weight
+        options = self._options if self.sinks is None else {**self._options, "sinks": self.sinks.weight}
         scales = {}  # an FP8 pool's K and V scales, for the store and the attention
         if cache.k.dtype == FP8_KV_DTYPE:
             scales["k_scale"], scales["v_scale"] = self.kv_scales.scales()
@@ -166,8 +164,8 @@ class Attention(nn.Module):
         if self.prologue is not None:
             per_head = self.qk_norm and not self.qk_norm_whole
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 0.0)
-            if self.rotary is None:  # every position reads row 0 of the identity table
-                positions, cos, sin = torch.zeros_like(positions), self._cos, self._sin
+            if self.rotary is None:  # an identity table whose rows are one row (stride 0): any position reads it
+                cos, sin = self._cos.expand(2, -1), self._sin.expand(2, -1)
             else:
                 cos, sin = self.rotary.cos, self.rotary.sin
             q = self.prologue(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,7 +375,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         qk_norm_whole=arch.qk_norm_whole,
         activation=ACTIVATIONS[act],
         scale_embeddings=arch.scale_embeddings,
-        **_multipliers(hf_config, name, arch, head_dim),
+        **_multipliers(hf_config, name, arch),
         attention_sinks=arch.attention_sinks,
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
@@ -382,19 +383,25 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     )
 
 
-def _multipliers(hf_config: Any, name: str, arch: Architecture, head_dim: int) -> dict[str, float | None]:
+def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, float | None]:
     """The scales a family puts on embeddings, residual branches, the softmax and the logits."""
+
+    def positive(key: str) -> float:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"{name} with {key}={value!r} is not supported; nanostream needs a positive number")
+        return float(value)
+
     out: dict[str, float | None] = {}
     if arch.multipliers:
-        out["embedding_multiplier"] = float(hf_config.embedding_multiplier)
-        out["residual_multiplier"] = float(hf_config.residual_multiplier)
-        out["attention_scale"] = float(hf_config.attention_multiplier)
-        out["logits_divisor"] = float(hf_config.logits_scaling)
+        out["embedding_multiplier"] = positive("embedding_multiplier")
+        out["residual_multiplier"] = positive("residual_multiplier")
+        out["attention_scale"] = positive("attention_multiplier")
+        out["logits_divisor"] = positive("logits_scaling")
     if arch.query_pre_attn_scalar:
-        out["attention_scale"] = float(hf_config.query_pre_attn_scalar) ** -0.5
-    if arch.final_logit_softcap:
-        cap = getattr(hf_config, "final_logit_softcapping", None)
-        out["final_logit_softcap"] = None if cap is None else float(cap)
+        out["attention_scale"] = positive("query_pre_attn_scalar") ** -0.5
+    if arch.final_logit_softcap and getattr(hf_config, "final_logit_softcapping", None) is not None:
+        out["final_logit_softcap"] = positive("final_logit_softcapping")
     return out
 
 
