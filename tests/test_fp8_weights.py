@@ -50,6 +50,7 @@ class Layout:
     scalar: bool = False  # a per-tensor scale of shape [] (transformers' FineGrainedFP8), not [1]
     static_inputs: bool = False  # each linear's input_scale written too: nanostream does not read it
     ignore: tuple[str, ...] = ()  # regexes of the modules left unquantized
+    block: tuple[int, int] = BLOCK  # the "block" strategy's
 
 
 def _ct(strategy: str, inputs: dict, **config) -> dict:
@@ -95,7 +96,7 @@ def quantize(w: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tenso
     """``w`` [out, in] as the format stores it, FP8 and its scale, and its real value ``fp8 × scale`` (float32),
     block by block."""
     rows, cols = w.shape
-    bo, bi = {"block": BLOCK, "channel": (1, cols), "tensor": (rows, cols)}[layout.strategy]
+    bo, bi = {"block": layout.block, "channel": (1, cols), "tensor": (rows, cols)}[layout.strategy]
     q, real = torch.empty(w.shape, dtype=FP8), torch.empty(w.shape)
     scale = torch.empty(-(-rows // bo), -(-cols // bi), dtype=layout.scale_dtype)
     for i in range(scale.shape[0]):
@@ -138,15 +139,19 @@ def qwen3(tmp_path_factory):
                            tie_word_embeddings=False)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def checkpoints(qwen3, tmp_path_factory):
+def written(qwen3: Path, tmp_path_factory, layouts: dict[str, Layout]) -> dict[str, tuple[Path, Path]]:
     """Each layout's FP8 directory and its dequantized twin."""
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         base = tmp_path_factory.mktemp(name)
         write_fp8(qwen3, base / "fp8", base / "twin", layout)
         out[name] = base / "fp8", base / "twin"
     return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(qwen3, tmp_path_factory):
+    return written(qwen3, tmp_path_factory, LAYOUTS)
 
 
 def assert_greedy_matches_transformers(fp8: Path, twin: Path) -> None:
@@ -181,21 +186,8 @@ def test_a_qwen3_moe_checkpoint_of_fp8_experts(tmp_path):
 
 def test_two_ranks_split_an_fp8_checkpoint_and_compute_what_one_does(checkpoints):
     path = checkpoints["fp8-block"][0]
-    spec = spec_of(path)
-
-    def forward(tp: TensorParallel):
-        model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp)
-        kv = allocate_kv_pool(spec, 8, 8, torch.float32, CPU, model.shard.num_kv_heads)
-        seq = Sequence("s", list(range(3, 40)), SamplingParams(), max_tokens=1, sampling_seed=0,
-                       stop_token_ids=frozenset())  # fmt: skip
-        seq.block_table = list(range(8))
-        inputs = pack_step([WarmupChunk(seq, 0, 37)], 8, CPU)
-        with torch.inference_mode():
-            hidden = model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv))
-            return model.compute_logits(hidden[inputs.sample_rows])
-
-    expected = forward(SINGLE)
-    out = in_threads(2, forward)
+    _, expected = logits_of(path, keep_fp8=False)
+    out = in_threads(2, lambda tp: logits_of(path, keep_fp8=False, tp=tp)[1])
     assert out[1] is None  # rank 0 gathers the vocabulary's halves
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)  # the row-parallel sums add in another order
     assert torch.equal(out[0].argmax(-1), expected.argmax(-1))
@@ -299,3 +291,113 @@ def test_a_kv_cache_schemes_scales_load_into_the_fp8_cache(checkpoints, tmp_path
     scales = [layer.self_attn.attn.kv_scales.scales() for layer in llm.engine.runner.model.model.layers]
     assert [(k.item(), v.item()) for k, v in scales] == [(0.25, 0.5), (1.25, 1.5)]
     assert_greedy_matches_transformers(path, twin)  # in the model's dtype the scales change nothing
+
+
+# Kept FP8 (what a GPU runs; here with the reference matmul, the weight dequantized in each call): the same
+# logits as the weights dequantized on load, the checkpoint's FP8 bytes and scales in the layers.
+ALIGNED = (16, 16)  # heads of 16 rows, an intermediate of 160 (80 a rank): every layer keeps its blocks
+KEPT_LAYOUTS = {"fp8-block-aligned": dataclasses.replace(
+    LAYOUTS["fp8-block"], block=ALIGNED, config=LAYOUTS["fp8-block"].config | dict(weight_block_size=list(ALIGNED))
+)} | {k: v for k, v in LAYOUTS.items() if k != "fp8-block"}  # fmt: skip
+
+
+def logits_of(path: Path, keep_fp8: bool, tp: TensorParallel = SINGLE, load_format: str = "auto"):
+    spec = spec_of(path)
+    model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp,
+                       load_format=load_format, keep_fp8=keep_fp8)  # fmt: skip
+    kv = allocate_kv_pool(spec, 8, 8, torch.float32, CPU, model.shard.num_kv_heads)
+    seq = Sequence("s", list(range(3, 40)), SamplingParams(), max_tokens=1, sampling_seed=0,
+                   stop_token_ids=frozenset())  # fmt: skip
+    seq.block_table = list(range(8))
+    inputs = pack_step([WarmupChunk(seq, 0, 37)], 8, CPU)
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, kv))
+        return model, model.compute_logits(hidden[inputs.sample_rows])
+
+
+def kept(model) -> dict[str, tuple[int, int]]:
+    return {n: m.fp8_block for n, m in model.named_modules() if getattr(m, "fp8_block", None) is not None}
+
+
+@pytest.fixture(scope="module")
+def kept_checkpoints(qwen3, tmp_path_factory):
+    return {name: paths[0] for name, paths in written(qwen3, tmp_path_factory, KEPT_LAYOUTS).items()}
+
+
+@pytest.mark.parametrize("layout", list(KEPT_LAYOUTS))
+def test_kept_fp8_weights_compute_what_the_dequantized_ones_do(layout, kept_checkpoints):
+    path = kept_checkpoints[layout]
+    model, logits = logits_of(path, keep_fp8=True)
+    _, expected = logits_of(path, keep_fp8=False)
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+    blocks = kept(model)
+    per_layer = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    skipped = {f"model.layers.1.{m}" for m in per_layer[2:]} if layout == "ct-channel" else set()
+    assert set(blocks) == {f"model.layers.{i}.{m}" for i in range(2) for m in per_layer} - skipped
+    expected_block = ALIGNED if layout == "fp8-block-aligned" else (1, None)
+    for name, block in blocks.items():
+        layer = model.get_submodule(name)
+        assert layer.weight.dtype == FP8 and layer.weight_scale.dtype == torch.float32
+        assert block[0] == expected_block[0] and block[1] == (expected_block[1] or layer.weight.shape[1])
+    # the checkpoint's FP8 bytes, as stored: q's rows lead the fused projection
+    q = load_file(path / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj").weight
+    assert torch.equal(qkv[: q.shape[0]].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_two_ranks_keep_their_rows_of_the_fp8_blocks_and_compute_what_one_does(kept_checkpoints):
+    path = kept_checkpoints["fp8-block-aligned"]
+    _, expected = logits_of(path, keep_fp8=False)
+    out = in_threads(2, lambda tp: logits_of(path, keep_fp8=True, tp=tp))
+    assert len(kept(out[1][0])) == 8  # each rank's q/k/v heads, gate/up rows and o/down columns, block-aligned
+    torch.testing.assert_close(out[0][1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_whose_rows_cross_the_blocks_dequantizes_on_load(checkpoints):
+    # Blocks of 48 rows: q's 64 and gate's 160 end inside one, so the fused projections dequantize; o_proj and
+    # down_proj, whole tensors at one rank, keep theirs (partial blocks at the edges).
+    path = checkpoints["fp8-block"][0]
+    model, logits = logits_of(path, keep_fp8=True)
+    assert set(kept(model)) == {
+        f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.o_proj", "mlp.down_proj")
+    }
+    torch.testing.assert_close(logits, logits_of(path, keep_fp8=False)[1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_kept_layer_quantizes_a_tensor_the_checkpoint_left_unquantized(kept_checkpoints, tmp_path):
+    path = tmp_path / "mixed"
+    shutil.copytree(kept_checkpoints["fp8-block-aligned"], path)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].float() * tensors.pop(name + "_scale_inv").repeat_interleave(16, 0).repeat_interleave(
+        16, 1
+    )
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model, logits = logits_of(path, keep_fp8=True)
+    assert "model.layers.0.mlp.gate_up_proj" in kept(model)
+    _, expected = logits_of(kept_checkpoints["fp8-block-aligned"], keep_fp8=True)
+    torch.testing.assert_close(logits, expected, rtol=0.02, atol=0.02)  # requantized in the same blocks
+
+
+def test_dummy_fp8_weights_come_with_their_scales(tmp_path):
+    path = make_tiny_model(tmp_path, weights=False)
+    config = json.loads((path / "config.json").read_text())
+    block = dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[16, 16])
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": block}))
+    model, logits = logits_of(path, keep_fp8=True, load_format="dummy")
+    assert kept(model) and all(b == (16, 16) for b in kept(model).values())
+    layer = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert layer.weight_scale.min() > 0 and layer.weight.float().abs().max() == FP8_MAX  # each block's amax at 448
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+@pytest.mark.parametrize("layout", ["fp8-block-aligned", "ct-channel"])
+def test_kept_fp8_weights_of_fused_and_rotary_reordered_projections(family, layout, tmp_path):
+    # Phi-3's checkpoint fuses qkv_proj and gate_up_proj; both families' q/k rows are reordered after loading
+    # for their rotary layout (the FP8 bytes and their per-row scales with them; a block holds whole heads).
+    src = make_tiny_model(tmp_path / "src", **TINY_PRESETS[family])
+    write_fp8(src, tmp_path / "fp8", tmp_path / "twin", KEPT_LAYOUTS[layout])
+    model, logits = logits_of(tmp_path / "fp8", keep_fp8=True)
+    assert "model.layers.0.self_attn.qkv_proj" in kept(model)
+    torch.testing.assert_close(logits, logits_of(tmp_path / "fp8", keep_fp8=False)[1], rtol=1e-6, atol=1e-6)

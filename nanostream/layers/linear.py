@@ -9,7 +9,9 @@
   ``row_parallel_linear`` builds a plain ``nn.Linear`` at one rank, so a single GPU runs what it always ran.
 
 ``load_shard`` / ``load_weight`` take a safetensors slice (``safe_open(...).get_slice(name)``), so a rank
-reads only its rows or columns of the file.
+reads only its rows or columns of the file. Each is a ``Linear``, whose weight may stay FP8 with its scales
+(layers/fp8_linear.py: ``keep_fp8``); ``load_fp8`` then places a checkpoint's FP8 rows (or columns) and their
+scales together, a block's scale with the block.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import TensorParallel
+from nanostream.layers.fp8_linear import fp8_linear
 
 TensorSlice = Any
 """A safetensors slice (``get_slice``) or a tensor: ``x[a:b]``, ``x[:, a:b]`` and ``x[:]`` read that part."""
@@ -30,20 +33,88 @@ def _rows(loaded: TensorSlice) -> int:
     return loaded.get_shape()[0] if hasattr(loaded, "get_shape") else loaded.shape[0]
 
 
-class MergedColumnLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight may be FP8 (``keep_fp8``: ``weight_scale`` per ``fp8_block``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_parameter("weight_scale", None)
+        self.fp8_block: tuple[int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8_block is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+
+    def can_keep_fp8(self, block: tuple[int, int]) -> bool:
+        """Whether this layer's rows and columns of the checkpoint start and end on ``block``'s edges."""
+        return True
+
+    def load_fp8(self, loaded: TensorSlice, scale: torch.Tensor, block: tuple[int, int], shard: str | None) -> None:
+        """A checkpoint's FP8 weight (``loaded`` [out, in]) and its ``scale`` per ``block`` into this kept layer."""
+        self.put_fp8(loaded, scale, block, range(self.weight.shape[0]), 0)
+
+    @torch.no_grad()
+    def put_fp8(
+        self, loaded: TensorSlice, scale: torch.Tensor, block: tuple[int, int], rows: range, at: int,
+        columns: range | None = None,
+    ) -> None:  # fmt: skip
+        """``rows`` (and ``columns``) of an FP8 checkpoint weight to this layer's rows from ``at``, their scales
+        (``scale`` per ``block``: the checkpoint's blocks, a row's or the tensor's) to those rows' scales."""
+        part = (
+            loaded[rows.start : rows.stop]
+            if columns is None
+            else loaded[rows.start : rows.stop, columns.start : columns.stop]
+        )
+        if tuple(part.shape) != (len(rows), self.weight.shape[1]):
+            raise ValueError(
+                f"checkpoint part of shape {tuple(part.shape)}, expected {(len(rows), self.weight.shape[1])}"
+            )
+        self.weight.data[at : at + len(rows)].copy_(part)
+        bo, bi = self.fp8_block
+        s = scale.float().reshape(scale.shape[-2:] if scale.dim() >= 2 else (1, 1))
+        if bo == 1:  # one scale per row: a row's or the tensor's, for each of these rows
+            s = s.repeat_interleave(block[0], dim=0)[rows.start : rows.stop]
+        else:  # the checkpoint's blocks, whole (rows and columns start on their edges)
+            s = s[rows.start // bo : -(-rows.stop // bo)]
+            if columns is not None:
+                s = s[:, columns.start // bi : -(-columns.stop // bi)]
+        self.weight_scale.data[at // bo : at // bo + s.shape[0]].copy_(s)
+
+
+class MergedColumnLinear(Linear):
     """Projections of one input stacked along the output dimension.
 
     ``parts`` maps each checkpoint projection to the rows of it this layer holds and that tensor's full
     row count: ``{"q": (range(0, 512), 1024), ...}`` is the first half of a 1024-row q_proj."""
 
     def __init__(self, in_features: int, parts: dict[str, tuple[range, int]], bias: bool) -> None:
-        super().__init__(in_features, sum(len(rows) for rows, _ in parts.values()), bias=bias)
+        super().__init__(in_features, sum(len(rows) for rows, _ in parts.values()), bias)
         self.shard_offsets: dict[str, int] = {}  # part -> its first row here
         self.parts = parts
         offset = 0
         for name, (rows, _) in parts.items():
             self.shard_offsets[name] = offset
             offset += len(rows)
+
+    def can_keep_fp8(self, block: tuple[int, int]) -> bool:
+        bo = block[0]
+        return all(r.start % bo == 0 and len(r) % bo == 0 for r, _ in self.parts.values())
+
+    def load_fp8(
+        self, loaded: TensorSlice, scale: torch.Tensor, block: tuple[int, int], shard: str | None
+    ) -> list[str]:
+        """One part's FP8 rows (``shard``) or, for a fused checkpoint tensor (None), every part's; the parts filled."""
+        start = 0
+        for name, (rows, total) in self.parts.items():
+            if shard in (None, name):
+                base = 0 if shard else start
+                self.put_fp8(loaded, scale, block, range(base + rows.start, base + rows.stop), self.shard_offsets[name])
+            start += total
+        return [shard] if shard else list(self.parts)
 
     def load_shard(self, param: nn.Parameter, loaded: TensorSlice, shard: str) -> None:
         (rows, total), offset = self.parts[shard], self.shard_offsets[shard]
@@ -65,19 +136,26 @@ class MergedColumnLinear(nn.Linear):
         return list(self.parts)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """``columns`` of a linear layer's input features; the partial products of the ranks are summed.
 
     The bias, whole on every rank, is added once, after the sum."""
 
     def __init__(self, columns: range, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(len(columns), out_features, bias=bias)
+        super().__init__(len(columns), out_features, bias)
         self.columns, self.tp = columns, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / size] -> [T, out]
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y.add_(self.bias)
+
+    def can_keep_fp8(self, block: tuple[int, int]) -> bool:
+        bi = block[1]
+        return self.columns.start % bi == 0 and len(self.columns) % bi == 0
+
+    def load_fp8(self, loaded: TensorSlice, scale: torch.Tensor, block: tuple[int, int], shard: str | None) -> None:
+        self.put_fp8(loaded, scale, block, range(self.weight.shape[0]), 0, self.columns)
 
     def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> None:
         part = loaded[:, self.columns.start : self.columns.stop] if param is self.weight else loaded[:]
@@ -86,8 +164,8 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(part)
 
 
-def row_parallel_linear(columns: range, out_features: int, bias: bool, tp: TensorParallel) -> nn.Linear:
+def row_parallel_linear(columns: range, out_features: int, bias: bool, tp: TensorParallel) -> Linear:
     """``RowParallelLinear`` over ``columns``, or at one rank the plain layer (no collective)."""
     if tp.size == 1:
-        return nn.Linear(len(columns), out_features, bias=bias)
+        return Linear(len(columns), out_features, bias=bias)
     return RowParallelLinear(columns, out_features, bias, tp)

@@ -306,7 +306,7 @@ class PartialSumLinear(RowParallelLinear):
         super().__init__(columns, out_features, bias=False, tp=SINGLE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [T, in / size] -> [T, out]
+        return self.matmul(x)  # [T, in / size] -> [T, out]
 
 
 class SharedExpert(nn.Module):

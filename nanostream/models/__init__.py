@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.layers.fp8_linear import fp8_gemm_available
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM, DecoderSpec
 from nanostream.models.loader import load_dummy_weights, load_weights
+from nanostream.models.quantization import keep_fp8_weights
 
 __all__ = [
     "ARCHITECTURES",
@@ -48,12 +50,18 @@ def load_model(
     device: torch.device,
     tp: TensorParallel = SINGLE,
     load_format: str = "auto",
+    keep_fp8: bool | None = None,
 ) -> DecoderForCausalLM:
     """The decoder of ``spec``, built on ``device`` in ``dtype`` with ``kernels``, weights from ``path``, eval mode.
     With ``tp`` of several ranks: this rank's shard, read alone from the files. ``load_format="dummy"``:
-    random weights of the config's shapes instead (``path`` needs no weight files)."""
+    random weights of the config's shapes instead (``path`` needs no weight files).
+
+    An FP8 checkpoint's linear layers keep their FP8 weights where ``keep_fp8`` (None: where ``device``
+    multiplies FP8, a GPU of sm89 or newer); otherwise they dequantize to ``dtype`` as they load."""
     with _default_dtype(dtype), torch.device(device):
         model = DecoderForCausalLM(spec, kernels, tp)
+    if spec.quantization is not None and (fp8_gemm_available(device) if keep_fp8 is None else keep_fp8):
+        keep_fp8_weights(model, spec.quantization, gpu_kernels=device.type == "cuda")
     if load_format == "dummy":
         load_dummy_weights(model)
     else:

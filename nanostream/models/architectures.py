@@ -331,7 +331,10 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     architectures = getattr(hf_config, "architectures", None) or []
     if any(a in TEXT_MODELS for a in architectures):  # a multimodal checkpoint: its language model alone
         spec = decoder_spec(text_config(hf_config), max_model_len=max_model_len)
-        return dataclasses.replace(spec, checkpoint_prefix="language_model.")
+        quantization = fp8_spec(getattr(hf_config, "quantization_config", None), architectures[0])
+        return dataclasses.replace(
+            spec, checkpoint_prefix="language_model.", quantization=quantization or spec.quantization
+        )
     name = next((a for a in architectures if a in ARCHITECTURES), None)
     if name is None:
         raise ModelLoadError(
@@ -354,6 +357,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     windows = _layer_windows(hf_config, name, arch, max_model_len)
     return DecoderSpec(
         architecture=name,
+        quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,

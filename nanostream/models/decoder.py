@@ -31,12 +31,14 @@ from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.distributed.sharding import DecoderShard, shard_decoder
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
+from nanostream.layers.fp8_linear import FP8
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import MoESpec, SparseMoE
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RopeSpec, RotaryEmbedding, permute_heads
 from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
+from nanostream.models.quantization import Fp8Spec
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class DecoderSpec:
     """Each layer's sliding window (None: full attention); empty: every layer full."""
     sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
     rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
+    quantization: Fp8Spec | None = None
+    """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
     checkpoint_prefix: str = ""
     """Where a multimodal checkpoint keeps this decoder's tensors (``language_model.``); the rest is not loaded."""
 
@@ -349,7 +353,8 @@ class DecoderForCausalLM(nn.Module):
     def after_loading(self) -> None:
         """Put each head's q and k dims in the rotary tables' order (``RopeSpec.head_order``: partial and
         interleaved rotary, GLM-4, Phi-3), once, after the weights are in: the q and k rows of ``qkv_proj``, their
-        biases and per-head QK-norm weights. q·k, so attention, is unchanged. Nothing to do for most families."""
+        biases, FP8 scales per row, and per-head QK-norm weights (an FP8 block holds whole heads). q·k, so
+        attention, is unchanged. Nothing to do for most families."""
         d = self.spec.head_dim
         order = self.spec.rope.head_order(d)
         if order is None:
@@ -360,10 +365,12 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.model.layers:
             proj, attn = layer.self_attn.qkv_proj, layer.self_attn.attn
             q, k = (range(o, o + len(proj.parts[p][0])) for p, o in proj.shard_offsets.items() if p in "qk")
-            for param in (proj.weight, proj.bias):
+            per_row_scale = proj.fp8_block is not None and proj.fp8_block[0] == 1  # else whole heads per block
+            for param in (proj.weight, proj.bias, proj.weight_scale if per_row_scale else None):
                 if param is not None:
+                    data = param.view(torch.uint8) if param.dtype == FP8 else param  # FP8: its bytes moved
                     for rows in (q, k):
-                        param[rows.start : rows.stop] = permute_heads(param[rows.start : rows.stop], order, d)
+                        data[rows.start : rows.stop] = permute_heads(data[rows.start : rows.stop], order, d)
             if attn.qk_norm and not attn.qk_norm_whole:
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.copy_(norm.weight[order])

@@ -18,9 +18,10 @@ from safetensors import safe_open
 from torch import nn
 
 from nanostream.errors import ModelLoadError
+from nanostream.layers import fp8_linear
 from nanostream.layers.linear import TensorSlice
 from nanostream.models.architectures import supported_list
-from nanostream.models.quantization import Fp8Spec, fp8_spec
+from nanostream.models.quantization import FP8_WEIGHT_DTYPE, Fp8Spec, fp8_spec
 
 # Checkpoint tensors that hold nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -143,8 +144,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
             if param is None:
                 unexpected.append(name)
                 continue
-            tensor = _read(name, where, scales, fp8, param.device)
             module = model.get_submodule(target.rsplit(".", 1)[0])
+            if param.dtype == FP8_WEIGHT_DTYPE:  # a layer that keeps the checkpoint's FP8 (on a GPU)
+                filled = _load_kept(module, name, where, scales, fp8, shard)
+                loaded.update(f"{target}:{s}" for s in (filled or [shard]))
+                continue
+            tensor = _read(name, where, scales, fp8, param.device)
             filled = None
             with torch.no_grad():
                 if shard is not None:
@@ -162,7 +167,13 @@ def load_weights(model: nn.Module, path: Path) -> None:
             f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "
             f"{', '.join(unexpected[:3])}; is config.json's architectures right? nanostream runs {supported_list()}"
         )
-    missing = [w for pname, param in model.named_parameters() for w in _wanted(model, pname, param) if w not in loaded]
+    missing = [
+        w
+        for pname, param in model.named_parameters()
+        if not pname.endswith(".weight_scale")  # a kept FP8 weight's scales: loaded with it
+        for w in _wanted(model, pname, param)
+        if w not in loaded
+    ]
     if missing:
         shown = ", ".join(m.replace(":None", "") for m in missing[:5])
         raise ModelLoadError(f"{path} lacks {len(missing)} weight(s) the model needs, e.g. {shown}")
@@ -171,6 +182,23 @@ def load_weights(model: nn.Module, path: Path) -> None:
 def _quantization_config(path: Path) -> dict | None:
     config = path / "config.json"
     return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+
+
+def _load_kept(module: nn.Module, name: str, where: dict, scales: dict[str, str], fp8: Fp8Spec, shard: str | None):
+    """Checkpoint weight ``name`` into ``module``, a linear layer that keeps FP8 (``Linear.load_fp8``): its
+    FP8 values and scales as stored, or for a tensor the checkpoint left unquantized, quantized here in the
+    layer's blocks; the parts it filled."""
+    if name in scales:
+        loaded, scale = where[name].get_slice(name), where[scales[name]].get_tensor(scales[name])
+        block = fp8.block_of(name, tuple(loaded.get_shape()), loaded.get_dtype() == "F8_E4M3", scale)
+    else:
+        full = where[name].get_tensor(name)
+        if full.dtype == FP8_WEIGHT_DTYPE:
+            _read(name, where, scales, fp8, full.device)  # raises: no scale
+        block = module.fp8_block
+        loaded, scale = fp8_linear.quantize(full, block)
+    with torch.no_grad():
+        return module.load_fp8(loaded, scale, block, shard)
 
 
 def _read(name: str, where: dict, scales: dict[str, str], fp8: Fp8Spec | None, device: torch.device) -> TensorSlice:
@@ -206,10 +234,21 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
     Each parameter's values come from a generator seeded by its name (and ``seed``) on its own device, so
     every tensor-parallel rank holds the same router, norms and biases. An FP8 config's model gets them in its
-    compute dtype too, as an FP8 checkpoint's loads: FP8 dummy weights with scales wait for the FP8 GEMMs."""
+    compute dtype too, where it dequantizes an FP8 checkpoint; a layer that keeps FP8 weights (on a GPU) gets
+    those values quantized in its blocks, with their scales."""
     for name, param in model.named_parameters():
         gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if param.dim() == 1 and name.endswith("norm.weight"):
+        if name.endswith(".weight_scale"):
+            continue  # a kept FP8 weight's: made with it
+        if param.dtype == FP8_WEIGHT_DTYPE:
+            layer = model.get_submodule(name.rsplit(".", 1)[0])
+            values = torch.empty(param.shape, device=param.device).normal_(
+                0.0, DUMMY_GAIN / param.shape[-1] ** 0.5, generator=gen
+            )
+            q, scale = fp8_linear.quantize(values, layer.fp8_block)
+            param.copy_(q)
+            layer.weight_scale.copy_(scale)
+        elif param.dim() == 1 and name.endswith("norm.weight"):
             param.uniform_(0.95, 1.05, generator=gen)
         elif param.dim() == 1 or name.endswith("_bias"):  # gpt-oss's experts' biases are [E, n]
             param.normal_(0.0, 0.02, generator=gen)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from nanostream.errors import ModelLoadError
+from nanostream.layers import fp8_linear
+from nanostream.layers.linear import Linear
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 LOADS = (
@@ -100,30 +102,70 @@ class Fp8Spec:
                 out[weight] = name
         return out
 
-    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The real values of ``weight`` (``name``: float8_e4m3fn [..., out, in]) with ``scale``, in float32 on
-        ``weight``'s device."""
-        if weight.dtype != FP8_WEIGHT_DTYPE or weight.dim() < 2:
+    def block_of(self, name: str, shape: tuple[int, ...], stored_fp8: bool, scale: torch.Tensor) -> tuple[int, int]:
+        """The rows and columns of weight ``name`` (``shape`` [..., out, in], ``stored_fp8``: as float8_e4m3fn)
+        that one entry of ``scale`` covers: the spec's blocks, (1, in) for one per row, (out, in) for one per
+        tensor; a weight or scale of another shape is refused."""
+        if not stored_fp8 or len(shape) < 2:
             raise ModelLoadError(
-                f"{name} is stored as {weight.dtype} {list(weight.shape)} with a scale; nanostream reads "
+                f"{name} is stored as {list(shape)}, not in {FP8_WEIGHT_DTYPE}, with a scale; nanostream reads "
                 f"{FP8_WEIGHT_DTYPE} matrices"
             )
-        *lead, rows, cols = weight.shape
-        s = scale.to(device=weight.device, dtype=torch.float32)
+        *lead, rows, cols = shape
+        got = list(scale.shape)
         if self.block is not None:
             bo, bi = self.block
             expected = [*lead, -(-rows // bo), -(-cols // bi)]
-            if list(s.shape) == expected:  # each entry of W gets its block's scale: [..., rows, cols]
-                s = s.repeat_interleave(bo, dim=-2)[..., :rows, :].repeat_interleave(bi, dim=-1)[..., :cols]
-                return weight.to(torch.float32).mul_(s)
+            if got == expected:
+                return self.block
             wanted = f"blocks of {bo} x {bi}: {expected}"
         else:
-            if s.numel() == 1 and s.dim() <= 1:
-                return weight.to(torch.float32).mul_(s.reshape(()))
-            if self.per_channel and list(s.shape) == [*lead, rows, 1]:
-                return weight.to(torch.float32).mul_(s)
+            if scale.numel() == 1 and scale.dim() <= 1:
+                return rows, cols
+            if self.per_channel and got == [*lead, rows, 1]:
+                return 1, cols
             wanted = (f"one per row: {[*lead, rows, 1]}, or " if self.per_channel else "") + "one per tensor: [] or [1]"
-        raise ModelLoadError(f"{name} of shape {list(weight.shape)} has a scale of shape {list(s.shape)}; {wanted}")
+        raise ModelLoadError(f"{name} of shape {list(shape)} has a scale of shape {got}; {wanted}")
+
+    def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The real values of ``weight`` (``name``: float8_e4m3fn [..., out, in]) with ``scale``, in float32 on
+        ``weight``'s device."""
+        block = self.block_of(name, tuple(weight.shape), weight.dtype == FP8_WEIGHT_DTYPE, scale)
+        s = scale.to(device=weight.device, dtype=torch.float32)
+        if s.numel() == 1:
+            return weight.to(torch.float32).mul_(s.reshape(()))
+        return fp8_linear.dequantize(weight, s, block)
+
+
+def keep_fp8_weights(model: torch.nn.Module, spec: Fp8Spec, *, gpu_kernels: bool) -> int:
+    """Make each linear layer of ``model`` that the checkpoint quantizes hold its weight in FP8
+    (``layers.fp8_linear.keep_fp8``), before loading; the number of layers kept.
+
+    A layer stays in the model's dtype (its FP8 weight dequantized on load) where the config's ignore list
+    names one of its checkpoint modules, where its rows or columns of the checkpoint (its tensor-parallel
+    shard, its part of a fused projection) do not start and end on the scale blocks' edges (nor, for a q/k
+    projection whose heads' rows are reordered for the rotary tables, on heads' edges), or, with
+    ``gpu_kernels``, where the blocks are not a width the GEMM takes (a power of two from 16 along K)."""
+    prefix = getattr(model.spec, "checkpoint_prefix", "")
+    parts = {(module, shard): name for name, (module, shard) in model.checkpoint_modules.items() if shard}
+    block = spec.block
+    if gpu_kernels and block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
+        return 0
+    rotated_in_place = model.spec.rope.head_order(model.spec.head_dim) is not None
+    kept = 0
+    for path, layer in model.named_modules():
+        if not isinstance(layer, Linear):
+            continue
+        where, _, leaf = path.rpartition(".")
+        names = [n for (m, _), n in parts.items() if m == leaf] if hasattr(layer, "parts") else [leaf]
+        if any(spec.leaves_unquantized(f"{prefix}{where}.{n}") for n in names or [leaf]):
+            continue
+        if leaf == "qkv_proj" and block is not None and rotated_in_place and block[0] % model.spec.head_dim:
+            continue  # after_loading permutes each head's rows: a block must hold whole heads
+        if block is None or layer.can_keep_fp8(block):
+            fp8_linear.keep_fp8(layer, block)
+            kept += 1
+    return kept
 
 
 def fp8_spec(config: Any, model: str) -> Fp8Spec | None:

@@ -1,0 +1,102 @@
+"""Linear layers whose weight stays in FP8 (an FP8 checkpoint's, on a GPU that multiplies float8 e4m3).
+
+A kept weight is ``float8_e4m3fn`` [out, in] with ``weight_scale`` float32 [ceil(out / bo), ceil(in / bi)]:
+one scale per ``block`` = (bo, bi) of it, its real value ``W × s``. Block-wise checkpoints keep their blocks
+(128 x 128); per-channel and per-tensor ones become one scale per row, (1, in): a fused projection of
+per-tensor parts (q, k, v) holds each part's scale on its rows, so nothing is requantized.
+
+``fp8_linear`` is the layer's matmul. On CUDA the activations are quantized as they enter, per token and per
+group of ``bi`` columns (per token for a per-row layout), and multiplied by the FP8 GEMM: the Triton
+block-scaled kernel (kernels/fp8_gemm.py) for blocks, ``torch._scaled_mm`` for rows. Both run on the device
+alone, so CUDA graphs capture them. Elsewhere (the CPU reference, tests) the weight is dequantized in the
+call and the activations stay as they are: what a dequantized checkpoint computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+FP8_MIN_ARCH = (8, 9)  # float8 e4m3 tensor cores: Ada, Hopper, Blackwell
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """Whether ``device`` multiplies FP8 (a CUDA GPU of sm89 or newer); elsewhere FP8 weights dequantize on load."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_ARCH
+
+
+def block_shape(block: tuple[int, int], out_features: int, in_features: int) -> tuple[int, int]:
+    """The scales' shape of an [out, in] weight in blocks of ``block``."""
+    return -(-out_features // block[0]), -(-in_features // block[1])
+
+
+def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Each entry of a weight of ``shape`` [..., out, in] given its block's scale (float32)."""
+    rows, cols = shape[-2:]
+    s = scale.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return s.repeat_interleave(block[1], dim=-1)[..., :cols]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The real values of an FP8 ``weight`` with its block ``scale``, float32."""
+    return weight.float().mul_(expand_scale(scale, block, weight.shape))
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] in FP8 with one scale per block (its largest magnitude maps to 448): for random
+    (dummy) weights and for an unquantized tensor that reaches a kept layer."""
+    w = weight.float()
+    rows, cols = w.shape
+    bo, bi = block
+    pad = (0, -cols % bi, 0, -rows % bo)
+    tiles = F.pad(w, pad).reshape(-(-rows // bo), bo, -(-cols // bi), bi)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min_(1e-12)
+    q = (w / expand_scale(scale, block, w.shape)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def keep_fp8(layer: nn.Linear, block: tuple[int, int] | None) -> None:
+    """Make ``layer``'s weight FP8 [out, in] with ``weight_scale`` per ``block`` (None: one per row), both
+    empty until the checkpoint fills them."""
+    out_features, in_features = layer.weight.shape
+    block = block or (1, in_features)
+    device = layer.weight.device
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device), requires_grad=False)
+    shape = block_shape(block, out_features, in_features)
+    layer.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+    layer.fp8_block = block
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., in] @ (weight × scale)ᵀ + bias, in x's dtype."""
+    if not x.is_cuda:
+        return F.linear(x, dequantize(weight, scale, block).to(x.dtype), bias)
+    from nanostream.kernels.fp8_gemm import fp8_scaled_matmul, quantize_per_token_group
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    per_row = block[1] >= k
+    xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
+    if per_row and block[0] == 1 and _scaled_mm_takes(weight.shape, x.dtype):
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
+    else:
+        y = fp8_scaled_matmul(xq, xs, weight, scale, block, x.dtype)
+        if bias is not None:
+            y += bias
+    return y.reshape(*lead, -1)
+
+
+@functools.cache
+def _scaled_mm_takes(shape: torch.Size, dtype: torch.dtype) -> bool:
+    # cuBLASLt's row-wise scaled FP8 GEMM: both dimensions of the weight a multiple of 16, a 16-bit output
+    n, k = shape
+    return n % 16 == 0 and k % 16 == 0 and dtype in (torch.bfloat16, torch.float16)
