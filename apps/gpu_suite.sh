@@ -30,6 +30,9 @@
 #   bash apps/gpu_suite.sh families # issue 32: gpt-oss-20b and Gemma-3-4B (dummy) on the bench workload and at
 #                                  #   batch 1, the window kernel section, the gpu-marked window/sink tests, ~5 min
 #   bash apps/gpu_suite.sh fp8kv   # issue 33's KV half: the FP8 KV gpu tests, the 0.6B bench with bf16 and FP8 KV
+#   bash apps/gpu_suite.sh fp8 PART # issue 33 on the 8B shape (dummy weights), one call per PART: tests (the FP8
+#                                  #   gpu tests, the FP8 GEMM kernel section), bench (bf16, FP8 W, FP8 W + KV on
+#                                  #   the bench workload), one (the same at batch 1), agree (fp8_agreement.py)
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -328,6 +331,30 @@ fp8kv)
         timeout 120 "${bench[@]}" --backends triton --kv-cache-dtype "$kv" --step-stats "$@" 2>&1 \
             | grep -v "Loading weights" | tee "$out/bench-kv-$kv.log" | tail -n 6
     done ;;
+fp8)
+    b16=(python3 apps/bench.py --preset qwen3-8b --tiny-config '{"weights": false}' --build-dir /tmp/8b-bf16
+         --load-format dummy --backends triton)
+    f8=(python3 apps/bench.py --preset qwen3-8b-fp8 --build-dir /tmp/8b-fp8 --backends triton)
+    one=(--num-requests 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512)
+    case ${1:?usage: gpu_suite.sh fp8 tests|bench|one|agree} in
+    tests)
+        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_weights.py tests/test_fp8_gemm.py \
+            tests/test_fp8_kv.py >"$out/test_fp8.log" 2>&1
+        echo "== FP8 tests: $(tail -n 1 "$out/test_fp8.log")"; grep -E "^(FAILED|ERROR)|agreement" "$out/test_fp8.log" | head
+        timeout 150 python3 apps/bench_kernels.py --sections fp8 --out "$out/fp8-kernels.json" >"$out/fp8-kernels.log" 2>&1
+        tail -n 30 "$out/fp8-kernels.log" ;;
+    bench | one)
+        extra=(); [ "$1" = one ] && extra=("${one[@]}")
+        for run in "bf16" "fp8w" "fp8w+kv"; do
+            cmd=("${b16[@]}"); [ "$run" != bf16 ] && cmd=("${f8[@]}")
+            [ "$run" = "fp8w+kv" ] && cmd+=(--kv-cache-dtype fp8)
+            echo "== $run: ${cmd[*]} ${extra[*]}"
+            timeout 170 "${cmd[@]}" "${extra[@]}" --step-stats 2>&1 | grep -v "Loading weights" \
+                | tee "$out/fp8-$1-$run.log" | grep -E "KV blocks|output tok/s|decode|prefill" | head -n 14
+        done ;;
+    agree)
+        timeout 300 python3 apps/fp8_agreement.py --preset qwen3-8b-fp8 --build-dir /tmp/8b-fp8 2>&1 | tail -n 4 ;;
+    esac ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -22,6 +22,7 @@ from pathlib import Path
 
 QWEN3_0_6B = "qwen3-0.6b"
 QWEN3_8B = "qwen3-8b"
+QWEN3_8B_FP8 = "qwen3-8b-fp8"
 QWEN3_30B_A3B = "qwen3-30b-a3b"
 MIXTRAL_8X7B = "mixtral-8x7b"
 GEMMA3_4B = "gemma-3-4b"
@@ -160,6 +161,14 @@ PRESETS: dict[str, dict] = {
         weights=False,
     ),
 }
+# Qwen/Qwen3-8B-FP8's quantization_config over the 8B shape: block-wise FP8 (128 x 128, dynamic activations),
+# dummy FP8 weights with their scales made on the device. Its bf16 twin on the same random values:
+# --preset qwen3-8b --tiny-config '{"weights": false}' --load-format dummy.
+PRESETS[QWEN3_8B_FP8] = PRESETS[QWEN3_8B] | dict(
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [128, 128]},
+    weights=False,
+)  # fmt: skip
 
 
 def engine_defaults(preset: str | None) -> dict:

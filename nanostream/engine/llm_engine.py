@@ -33,6 +33,7 @@ from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadErr
 from nanostream.models import decoder_spec
 from nanostream.models.architectures import text_config
 from nanostream.models.loader import resolve_model_path
+from nanostream.models.quantization import weights_dtype
 from nanostream.protocol import EngineStats, RequestDelta, Usage
 from nanostream.sampling_params import SamplingParams
 
@@ -114,7 +115,7 @@ class LLMEngine:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)",
             self.model_path,
             config.device,
-            config.dtype,
+            weights_dtype(self.runner.model),
             self.block_manager.num_blocks,
             config.kvcache_block_size,
             str(self.runner.kv_dtype).removeprefix("torch."),

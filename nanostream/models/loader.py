@@ -235,14 +235,16 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     Each parameter's values come from a generator seeded by its name (and ``seed``) on its own device, so
     every tensor-parallel rank holds the same router, norms and biases. An FP8 config's model gets them in its
     compute dtype too, where it dequantizes an FP8 checkpoint; a layer that keeps FP8 weights (on a GPU) gets
-    those values quantized in its blocks, with their scales."""
+    the values the unquantized model gets, quantized in its blocks, with their scales (so a dummy FP8 model is
+    the FP8 checkpoint of the dummy model in the compute dtype)."""
+    dtype = next(p.dtype for p in model.parameters() if p.dtype != FP8_WEIGHT_DTYPE)  # the compute dtype
     for name, param in model.named_parameters():
         gen = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith(".weight_scale"):
             continue  # a kept FP8 weight's: made with it
-        if param.dtype == FP8_WEIGHT_DTYPE:
+        if param.dtype == FP8_WEIGHT_DTYPE:  # the values an unquantized model of this dtype gets, quantized
             layer = model.get_submodule(name.rsplit(".", 1)[0])
-            values = torch.empty(param.shape, device=param.device).normal_(
+            values = torch.empty(param.shape, dtype=dtype, device=param.device).normal_(
                 0.0, DUMMY_GAIN / param.shape[-1] ** 0.5, generator=gen
             )
             q, scale = fp8_linear.quantize(values, layer.fp8_block)

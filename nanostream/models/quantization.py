@@ -168,6 +168,16 @@ def keep_fp8_weights(model: torch.nn.Module, spec: Fp8Spec, *, gpu_kernels: bool
     return kept
 
 
+def weights_dtype(model: torch.nn.Module) -> str:
+    """The weights' dtype for the start-up line: the model's, or that and how many linear layers keep FP8."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kept = [m for m in linears if m.fp8_block is not None]
+    dtype = str(next(p.dtype for p in model.parameters() if p.dtype != FP8_WEIGHT_DTYPE)).removeprefix("torch.")
+    if not kept:
+        return dtype
+    return f"{dtype}, {len(kept)} of {len(linears)} linear layers in float8_e4m3fn"
+
+
 def fp8_spec(config: Any, model: str) -> Fp8Spec | None:
     """The FP8 layout ``config`` (config.json's ``quantization_config``, a dict or transformers' object) names;
     None without one. What nanostream does not load is refused with the method, format or field named."""
