@@ -7,13 +7,13 @@ per token group as they enter, weights stored as the checkpoint stores them.
 - ``fp8_scaled_matmul``: y [M, N] = (a_q × a_scale) @ (b_q × b_scale)ᵀ with b [N, K] as a checkpoint stores
   it and b's scale per (block_n rows, block_k columns): a block-wise checkpoint's ``weight_scale_inv``
   ([ceil(N/128), ceil(K/128)]), a per-channel one's ``weight_scale`` ([N, 1], block (1, K)) or a per-tensor
-  one ([1, 1], block (N, K)). Each program owns a BLOCK_M x BLOCK_N tile and walks K in steps that never
-  cross a scale group, accumulating the group's dot product in float32 and applying the two scales once per
-  group (``GROUP_K`` = the groups' width along K: the scales are constant inside it). The activations'
-  groups along K must be the weight's: quantize with ``group = block_k``.
+  one ([1, 1], block (N, K)). Each program owns a BLOCK_M x BLOCK_N tile and walks K in steps of one scale
+  group (block-wise: 128), each step's float32 product times its two scales; with one group along K (per
+  channel, per tensor) the scales multiply the sum once. The activations' groups along K must be the
+  weight's: quantize with ``group = block_k``.
 
-Not wired into the model yet: the FP8 checkpoints dequantize on load (models/quantization.py) until these
-run measured on a GPU. Under Triton's interpreter they run on the CPU (tests/test_fp8_gemm.py).
+layers/fp8_linear.py calls them for the linear layers that keep an FP8 checkpoint's weights. Under Triton's
+interpreter they run on the CPU (tests/test_fp8_gemm.py).
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ Two layouts load. In both, a quantized weight ``W`` is stored as ``float8_e4m3fn
   A ``kv_cache_scheme`` of per-tensor FP8 scales is accepted: its ``self_attn.k_scale`` / ``v_scale`` tensors
   are the KV cache's, not a weight's, and load wherever the model places them.
 
-This is the reference path: a weight becomes the model's dtype as it loads, and activations are not
-quantized, so static input scales (``input_scale``, transformers' ``activation_scale``) are not read either.
-An FP8 checkpoint computes what its dequantized twin would, with no gain in speed or memory yet.
+On a GPU that multiplies FP8 (``load_model``'s ``keep_fp8``), ``keep_fp8_weights`` makes the linear layers
+that the checkpoint quantizes keep their FP8 weights and scales (layers/fp8_linear.py), and the loader fills
+them as stored. Everywhere else each FP8 weight becomes the model's dtype as it loads (the reference path):
+activations are not quantized there, and static input scales (``input_scale``, transformers'
+``activation_scale``) are read nowhere: the GPU quantizes activations dynamically.
 """
 
 from __future__ import annotations
