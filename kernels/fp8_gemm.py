@@ -27,7 +27,9 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):
     # One program per (row, group): scale = amax / 448 (at least a tiny floor: an all-zero group gives zeros).
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -37,21 +39,24 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, GROUP
     scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
     q = tl.clamp(x / scale, -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (q [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32)."""
+    """x [M, K] (rows contiguous) -> (q [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32).
+
+    The scales are column-major (strides (1, M)), as torch's block-scaled ``scaled_mm`` reads them."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert group >= 1, group
     m, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    scale = torch.empty_strided((m, groups), (1, m), dtype=torch.float32, device=x.device)
     if m and k:
         _quantize_kernel[(m, groups)](
-            x, q, scale, x.stride(0), q.stride(0), scale.stride(0), k, GROUP=group, BLOCK=triton.next_power_of_2(group)
-        )
+            x, q, scale, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), k,
+            GROUP=group, BLOCK=triton.next_power_of_2(group),
+        )  # fmt: skip
     return q, scale
 
 
@@ -59,7 +64,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
 def _scaled_matmul_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr,
     M, N, K,
-    stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
+    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_om,
     BLOCK_N_SCALE: tl.constexpr, ONE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -84,7 +89,7 @@ def _scaled_matmul_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
         else:
             g = k0 // BLOCK_K
-            a_s = tl.load(as_ptr + rows * stride_asm + g, mask=row_mask, other=0.0)
+            a_s = tl.load(as_ptr + rows * stride_asm + g * stride_asg, mask=row_mask, other=0.0)
             b_s = tl.load(bs_ptr + b_scale_rows * stride_bsn + g, mask=col_mask, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
     if ONE_GROUP:
@@ -147,7 +152,7 @@ def fp8_scaled_matmul(
     _scaled_matmul_kernel[grid](
         a, a_scale, b, b_scale, out,
         m, n, k,
-        a.stride(0), a_scale.stride(0), b.stride(0), b_scale.stride(0), out.stride(0),
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), out.stride(0),
         BLOCK_N_SCALE=block_n, ONE_GROUP=one_group,
         BLOCK_M=block_m_, BLOCK_N=block_n_, BLOCK_K=block_k_, STAGES=stages,
         num_warps=warps,

@@ -11,6 +11,7 @@ scales, not read, and a kv_cache_scheme). What nanostream does not load is refus
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_hf_parity import greedy, hf_greedy, random_prompts
 from test_tp import in_threads, spec_of
@@ -434,20 +436,37 @@ def test_fp8_linear_on_cuda_against_the_dequantized_matmul_gpu(m, n, k, block, d
 @needs_fp8_gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_an_fp8_checkpoint_on_cuda_keeps_its_weights_and_agrees_with_bf16_gpu(kv_cache_dtype, enforce_eager, tmp_path):
-    # 128 x 128 blocks (Qwen3-8B-FP8's) over a small model of 128-wide heads: every linear layer keeps FP8
+def test_an_fp8_checkpoint_on_cuda_runs_every_linear_layer_in_fp8_gpu(kv_cache_dtype, enforce_eager, tmp_path):
+    # 128 x 128 blocks (Qwen3-8B-FP8's) over a small model of 128-wide heads: every linear layer keeps FP8, and
+    # each of its calls in the engine (prefill and decode, 1 to 910 tokens; graphs replay what warm-up ran)
+    # lands within the activations' e4m3 rounding of the dequantized matmul of its own input. (The tiny random
+    # model's tokens are no measure of agreement: its 2.4x gain a layer amplifies any rounding into another
+    # argmax; apps/fp8_agreement.py measures that on the 8B shape.)
+    from nanostream.layers.fp8_linear import dequantize
+
     src = make_tiny_model(tmp_path / "src", seed=5, hidden_size=256, intermediate_size=512, head_dim=128,
                           num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=4)  # fmt: skip
     layout = dataclasses.replace(KEPT_LAYOUTS["fp8-block-aligned"], block=(128, 128),
                                  config=LAYOUTS["fp8-block"].config | dict(weight_block_size=[128, 128]))  # fmt: skip
     write_fp8(src, tmp_path / "fp8", tmp_path / "twin", layout)
+    llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", device="cuda", enforce_eager=enforce_eager,
+              gpu_memory_utilization=0.2, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    layers = kept(llm.engine.runner.model)
+    assert len(layers) == 16
+    errors: dict[tuple[str, int], float] = {}
+
+    def check(name, layer, args, out):
+        if torch.cuda.is_current_stream_capturing():
+            return  # a graph's capture: checked where it ran eagerly (warm-up)
+        x = args[0]
+        ref = F.linear(x.float(), dequantize(layer.weight, layer.weight_scale, layer.fp8_block))
+        errors[name, x.shape[0]] = ((out.float() - ref).norm() / ref.norm()).item()
+
+    for name in layers:
+        llm.engine.runner.model.get_submodule(name).register_forward_hook(functools.partial(check, name))
     prompts = random_prompts([1, 9, 200, 700], seed=4)
-    common = dict(dtype="bfloat16", device="cuda", enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
-    llm = LLM(str(tmp_path / "fp8"), kv_cache_dtype=kv_cache_dtype, **common)
-    assert len(kept(llm.engine.runner.model)) == 16
-    got = [o.token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
-    del llm
-    ref = [o.token_ids for o in LLM(str(tmp_path / "twin"), **common).generate(prompts, greedy(32), use_tqdm=False)]
-    same = sum(a == b for g, r in zip(got, ref, strict=True) for a, b in zip(g, r, strict=True))
-    print(f"greedy agreement with the bf16 twin: {same}/{32 * len(prompts)}")
-    assert same >= 0.6 * 32 * len(prompts)
+    outputs = llm.generate(prompts, greedy(32), use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [32] * 4
+    sizes = {m for _, m in errors}
+    assert {1, 910}.issubset(sizes) if enforce_eager else sizes
+    assert max(errors.values()) < 0.05, sorted(errors.items(), key=lambda e: -e[1])[:3]

@@ -86,8 +86,13 @@ def fp8_linear(
         x2 = x2.contiguous()
     per_row = block[1] >= k
     xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
-    if per_row and block[0] == 1 and _scaled_mm_takes(weight.shape, x.dtype):
+    m = x2.shape[0]
+    if per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
+    elif block == (128, 128) and m > TRITON_MAX_ROWS["block"] and _block_scaled_mm_takes(weight.shape, x.dtype):
+        y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)
+        if bias is not None:
+            y += bias
     else:
         y = fp8_scaled_matmul(xq, xs, weight, scale, block, x.dtype)
         if bias is not None:
@@ -95,8 +100,49 @@ def fp8_linear(
     return y.reshape(*lead, -1)
 
 
+TRITON_MAX_ROWS = {"row": 64, "block": 16}
+"""Up to these many tokens the Triton GEMM runs (faster where a step streams the weight: decode), above them
+torch's (cuBLASLt's row-wise and block-wise scaled FP8 GEMMs: 1.5-2.5x the Triton kernel's speed at 256+
+tokens on an H200, BENCHMARKS.md)."""
+
+
 @functools.cache
 def _scaled_mm_takes(shape: torch.Size, dtype: torch.dtype) -> bool:
     # cuBLASLt's row-wise scaled FP8 GEMM: both dimensions of the weight a multiple of 16, a 16-bit output
     n, k = shape
     return n % 16 == 0 and k % 16 == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+def _block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype):
+    # 1 x 128 activation groups (scales column-major) times 128 x 128 weight blocks; the weight's [K, N] view's
+    # scales are [K / 128, N / 128], column-major: the transposed view of the stored ones.
+    blockwise = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    return F.scaled_mm(xq, weight.t(), xs, blockwise[0], scale.t(), blockwise[1], output_dtype=dtype)
+
+
+_BLOCK_SCALED_MM: dict[tuple, bool] = {}
+
+
+def _block_scaled_mm_takes(shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether torch's block-scaled GEMM runs this weight shape (torch 2.10+ on sm90+, dims a multiple of 128,
+    a 16-bit output): probed once per shape on the first call, outside any graph capture (the warm-up step)."""
+    key = (tuple(shape), dtype)
+    if key not in _BLOCK_SCALED_MM:
+        n, k = shape
+        ok = hasattr(F, "scaled_mm") and n % 128 == 0 and k % 128 == 0 and dtype in (torch.bfloat16, torch.float16)
+        if ok and torch.cuda.is_current_stream_capturing():
+            return False  # not probed yet: the Triton kernel, this once
+        if ok:
+            from nanostream.kernels.fp8_gemm import quantize_per_token_group
+
+            try:  # a probe against the Triton kernel on random values
+                w = torch.randn(n, k, device="cuda")
+                wq, ws = quantize(w, (128, 128))
+                xq, xs = quantize_per_token_group(torch.randn(32, k, device="cuda", dtype=dtype), 128)
+                got = _block_scaled_mm(xq, xs, wq, ws, dtype).float()
+                ref = (xq.float() * xs.repeat_interleave(128, 1)[:, :k]) @ dequantize(wq, ws, (128, 128)).T
+                ok = bool(((got - ref).norm() / ref.norm()) < 1e-2)
+            except (RuntimeError, ValueError, AttributeError):
+                ok = False
+        _BLOCK_SCALED_MM[key] = ok
+    return _BLOCK_SCALED_MM[key]
