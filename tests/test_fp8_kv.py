@@ -496,8 +496,15 @@ def test_fp8_cache_through_cuda_graphs(qwen3_dir, tmp_path):
     prompts = [[5, 6, 7, 8], list(range(3, 300)), [9] * 17]
     outs = []
     for eager in (False, True):
-        llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=eager,
-                  kvcache_block_size=16)  # fmt: skip
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            kv_cache_dtype="fp8",
+            attention_backend="triton",
+            enforce_eager=eager,
+            kvcache_block_size=16,
+            num_kvcache_blocks=64,
+        )  # fmt: skip (two engines at once)
         assert (llm.engine.runner.graphs is None) == eager and layer_scales(llm)[0] == pytest.approx((0.011, 0.013))
         outs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
     assert outs[0] == outs[1]

@@ -85,12 +85,14 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     per_row = block[1] >= k
-    xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
     m = x2.shape[0]
+    xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
     if per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
     elif block == (128, 128) and m > TRITON_MAX_ROWS["block"] and _block_scaled_mm_takes(weight.shape, x.dtype):
-        y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)
+        if m % 16:  # cuBLASLt's block-scaled GEMM takes whole groups of 16 rows: the activations padded
+            xq, xs = quantize_per_token_group(F.pad(x2, (0, 0, 0, -m % 16)), block[1])
+        y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)[:m]
         if bias is not None:
             y += bias
     else:
@@ -138,7 +140,7 @@ def _block_scaled_mm_takes(shape: torch.Size, dtype: torch.dtype) -> bool:
             try:  # a probe against the Triton kernel on random values
                 w = torch.randn(n, k, device="cuda")
                 wq, ws = quantize(w, (128, 128))
-                xq, xs = quantize_per_token_group(torch.randn(32, k, device="cuda", dtype=dtype), 128)
+                xq, xs = quantize_per_token_group(torch.randn(48, k, device="cuda", dtype=dtype), 128)
                 got = _block_scaled_mm(xq, xs, wq, ws, dtype).float()
                 ref = (xq.float() * xs.repeat_interleave(128, 1)[:, :k]) @ dequantize(wq, ws, (128, 128)).T
                 ok = bool(((got - ref).norm() / ref.norm()) < 1e-2)
