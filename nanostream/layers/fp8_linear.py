@@ -86,16 +86,17 @@ def fp8_linear(
         x2 = x2.contiguous()
     per_row = block[1] >= k
     m = x2.shape[0]
-    xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
     if per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
+        xq, xs = quantize_per_token_group(x2, k)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
     elif block == (128, 128) and m > TRITON_MAX_ROWS["block"] and _block_scaled_mm_takes(weight.shape, x.dtype):
-        if m % 16:  # cuBLASLt's block-scaled GEMM takes whole groups of 16 rows: the activations padded
-            xq, xs = quantize_per_token_group(F.pad(x2, (0, 0, 0, -m % 16)), block[1])
+        # cuBLASLt's block-scaled GEMM takes whole groups of 16 rows: the activations padded
+        xq, xs = quantize_per_token_group(F.pad(x2, (0, 0, 0, -m % 16)) if m % 16 else x2, 128)
         y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)[:m]
         if bias is not None:
             y += bias
     else:
+        xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
         y = fp8_scaled_matmul(xq, xs, weight, scale, block, x.dtype)
         if bias is not None:
             y += bias
