@@ -467,6 +467,8 @@ def test_an_fp8_checkpoint_on_cuda_runs_every_linear_layer_in_fp8_gpu(kv_cache_d
     prompts = random_prompts([1, 9, 200, 700], seed=4)
     outputs = llm.generate(prompts, greedy(32), use_tqdm=False)
     assert [len(o.token_ids) for o in outputs] == [32] * 4
-    sizes = {m for _, m in errors}
-    assert {1, 910}.issubset(sizes) if enforce_eager else sizes
-    assert max(errors.values()) < 0.05, sorted(errors.items(), key=lambda e: -e[1])[:3]
+    if enforce_eager:  # the prefill of all four prompts (910 tokens) and their decode steps (4 rows)
+        assert {4, 910} <= {m for _, m in errors}
+    else:  # graphs: every call captured (no hook runs); the eager case checks the same layers
+        assert llm.engine.runner.graphs is not None
+    assert max(errors.values(), default=0.0) < 0.05, sorted(errors.items(), key=lambda e: -e[1])[:3]
