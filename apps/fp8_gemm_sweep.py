@@ -1,57 +1,173 @@
-"""The FP8 GEMMs at Qwen3-8B's projection shapes and 1 to 4,096 tokens (GPU only; CUDA-graph timing, us): bf16
-F.linear, the activation quantizer, the Triton block-scaled kernel (its default tile and the best of a few),
-torch's block-scaled F.scaled_mm, and per-channel weights through torch._scaled_mm and the Triton kernel.
+"""The FP8 GEMMs at Qwen3-8B's projection shapes (GPU only; CUDA-graph timing, us).
 
-    python3 apps/fp8_gemm_sweep.py      # from the repository root
+The full sweep, 1 to 4,096 tokens: bf16 F.linear, the activation quantizer, the Triton block-scaled kernel (its
+default config and the best of a few tiles, one split), torch's block-scaled F.scaled_mm, and per-channel
+weights through torch._scaled_mm and the Triton kernel.
+
+``--split-k``, the few-token steps (1, 4 and 16 tokens, about a minute): the Triton block-scaled kernel's
+tiles of 16 rows times K splits, bounded to at most 6 programs per SM; per shape and token count the best
+config and the best with one split against ``default_config``'s pick, bf16 F.linear, the per-channel Triton
+kernel (default and one split) and the FP8 weight's byte floor. Each timed call there reads the next of
+several copies of the weight (256 MB or more in all): a decode step streams every layer's weight once, so
+none may sit in the 50 MB L2 from the previous call.
+
+    python3 apps/fp8_gemm_sweep.py              # from the repository root
+    python3 apps/fp8_gemm_sweep.py --split-k
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import itertools
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, ".")
-from kernels.fp8_gemm import fp8_scaled_matmul, quantize_per_token_group
+from kernels._device import num_sms
+from kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
 from nanostream.layers.fp8_linear import _block_scaled_mm, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down
+NAMES = dict(zip(SHAPES, ("qkv", "o", "gate_up", "down")))
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 TILES = ((16, 16, 128, 2, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 128, 4, 4),
          (64, 128, 128, 4, 4), (128, 128, 128, 8, 3))  # fmt: skip
+SPLIT_TOKENS = (1, 4, 16)
+SPLIT_TILES = ((16, 16, 128, 2, 4), (16, 32, 128, 4, 4), (16, 64, 128, 4, 4))  # 16 rows: the few-token tiles
+SPLITS = (1, 2, 3, 4, 6, 8)
+MAX_PROGRAMS_PER_SM = 6  # past it a split only adds partials to write and sum
+ROTATE_BYTES = 256 << 20  # weight copies a timed call cycles through: 5x the H200's L2
+HBM_BYTES_PER_S = 4.8e12  # the H200's
+BF16 = torch.bfloat16
 
 
-def us(fn, *args, **kwargs) -> float:
-    return do_bench_cudagraph(functools.partial(fn, *args, **kwargs), rep=30) * 1e3
+def us(fn: Callable, *args, rep: int = 30, **kwargs) -> float:
+    return do_bench_cudagraph(functools.partial(fn, *args, **kwargs), rep=rep) * 1e3
 
 
-def main() -> None:
-    bf16 = torch.bfloat16
+def full_sweep() -> None:
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda") * 0.02
         wq, ws = quantize(w, (128, 128))
         wc, wcs = quantize(w, (1, k))
-        w = w.to(bf16)
+        w = w.to(BF16)
         for m in TOKENS:
-            x = torch.randn(m, k, device="cuda", dtype=bf16)
+            x = torch.randn(m, k, device="cuda", dtype=BF16)
             xq, xs = quantize_per_token_group(x, 128)
             xcq, xcs = quantize_per_token_group(x, k)
-            tiles = {t: us(fp8_scaled_matmul, xq, xs, wq, ws, (128, 128), bf16, config=t) for t in TILES}
+            tiles = {t: us(fp8_scaled_matmul, xq, xs, wq, ws, (128, 128), BF16, config=t) for t in TILES}
             best = min(tiles, key=tiles.get)
             line = (
                 f"N={n} K={k} M={m}: bf16 {us(F.linear, x, w):.1f} | quant {us(quantize_per_token_group, x, 128):.1f}"
-                f" | block: triton {us(fp8_scaled_matmul, xq, xs, wq, ws, (128, 128), bf16):.1f}"
+                f" | block: triton {us(fp8_scaled_matmul, xq, xs, wq, ws, (128, 128), BF16):.1f}"
                 f" (best {tiles[best]:.1f} {best})"
             )
             if m % 16 == 0:
-                line += f", torch {us(_block_scaled_mm, xq, xs, wq, ws, bf16):.1f}"
-            smm = us(torch._scaled_mm, xcq, wc.t(), scale_a=xcs, scale_b=wcs.t(), out_dtype=bf16)
-            tri = us(fp8_scaled_matmul, xcq, xcs, wc, wcs, (1, k), bf16)
+                line += f", torch {us(_block_scaled_mm, xq, xs, wq, ws, BF16):.1f}"
+            smm = us(torch._scaled_mm, xcq, wc.t(), scale_a=xcs, scale_b=wcs.t(), out_dtype=BF16)
+            tri = us(fp8_scaled_matmul, xcq, xcs, wc, wcs, (1, k), BF16)
             line += f" | channel: _scaled_mm {smm:.1f}, triton {tri:.1f}"
-            print(line + f" | FP8 weight floor {n * k / 4.8e12 * 1e6:.1f}", flush=True)
+            print(line + f" | FP8 weight floor {n * k / HBM_BYTES_PER_S * 1e6:.1f}", flush=True)
+
+
+def split_configs(m: int, n: int, k: int, sms: int) -> list[Config]:
+    """The few-token tiles times the splits that keep programs <= MAX_PROGRAMS_PER_SM per SM and >= 2 groups of
+    K per split (one split always), and ``default_config``'s pick."""
+    configs = [default_config(m, n, k, sms)]
+    for tile, splits in itertools.product(SPLIT_TILES, SPLITS):
+        programs = -(-m // tile[0]) * -(-n // tile[1]) * splits
+        if splits == 1 or (programs <= MAX_PROGRAMS_PER_SM * sms and k // 128 >= 2 * splits):
+            configs.append(Config(*tile, splits))
+    return list(dict.fromkeys(configs))
+
+
+def short(cfg: Config) -> str:
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} split {cfg.split_k}"
+
+
+def split_case(n: int, k: int, m: int, weights: dict[str, list], sms: int, rep: int) -> str:
+    """One shape and token count of ``--split-k``: its line of results."""
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    xq, xs = quantize_per_token_group(x, 128)
+    xcq, xcs = quantize_per_token_group(x, k)
+
+    def block_call(cfg: Config) -> Callable[[], torch.Tensor]:
+        it = itertools.cycle(weights["block"])
+        return lambda: fp8_scaled_matmul(xq, xs, *next(it), (128, 128), BF16, config=cfg)
+
+    def row_call(cfg: Config) -> Callable[[], torch.Tensor]:
+        it = itertools.cycle(weights["row"])
+        return lambda: fp8_scaled_matmul(xcq, xcs, *next(it), (1, k), BF16, config=cfg)
+
+    default = default_config(m, n, k, sms)
+    want = block_call(default._replace(split_k=1))().float()
+    times: dict[Config, float] = {}
+    for cfg in split_configs(m, n, k, sms):
+        try:
+            err = ((block_call(cfg)().float() - want).norm() / want.norm()).item()
+            if err > 1e-3:  # the same sums in another order: rounding apart, no more
+                print(f"   {short(cfg)}: WRONG, relative error {err:.1e} against one split", flush=True)
+                continue
+            times[cfg] = us(block_call(cfg), rep=rep)
+        except Exception as exc:  # a config that fails to compile or launch: reported, not fatal
+            print(f"   {short(cfg)}: failed, {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    ranked = sorted(times, key=times.get)
+    one = [c for c in ranked if c.split_k == 1]
+    dense = itertools.cycle(weights["bf16"])
+    bf16 = us(lambda: F.linear(x, next(dense)), rep=rep)
+    row_default = us(row_call(default), rep=rep)
+    row_one = us(row_call(default._replace(split_k=1)), rep=rep)
+
+    def timed(cfgs: list[Config]) -> str:
+        return f"{times[cfgs[0]]:.1f} ({short(cfgs[0])})" if cfgs else "none ran"
+
+    return (
+        f"{NAMES[n, k]} N={n} K={k} M={m}: floor {n * k / HBM_BYTES_PER_S * 1e6:.1f} | bf16 {bf16:.1f}"
+        f" | block: best {timed(ranked)}, default {timed([default] if default in times else [])},"
+        f" best of one split {timed(one)} | channel: default {row_default:.1f}, one split {row_one:.1f}"
+        f" | next: {', '.join(f'{short(c)} {times[c]:.1f}' for c in ranked[1:4])}"
+    )
+
+
+def split_sweep(tokens: tuple[int, ...], rep: int) -> None:
+    sms = num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; us per call, CUDA graphs, weights rotated", flush=True)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        copies = -(-ROTATE_BYTES // (n * k))  # of the FP8 weight's bytes; bf16's take as many copies
+        block, row = quantize(w, (128, 128)), quantize(w, (1, k))
+        weights = {
+            "block": [tuple(t.clone() for t in block) for _ in range(copies)],
+            "row": [tuple(t.clone() for t in row) for _ in range(copies)],
+            "bf16": [w.to(BF16) for _ in range(copies)],
+        }
+        del w, block, row
+        for m in tokens:
+            print(split_case(n, k, m, weights, sms, rep), flush=True)
+        del weights
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--split-k", action="store_true", help="the few-token split-K sweep alone (about a minute)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=SPLIT_TOKENS, help="--split-k's token counts")
+    parser.add_argument("--rep", type=int, default=10, help="--split-k's timing per config, ms of replays")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    start = time.perf_counter()
+    if args.split_k:
+        split_sweep(tuple(args.tokens), args.rep)
+    else:
+        full_sweep()
+    print(f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ per token group as they enter, weights stored as the checkpoint stores them.
   group (block-wise: 128), each step's float32 product times its two scales; with one group along K (per
   channel, per tensor) the scales multiply the sum once. The activations' groups along K must be the
   weight's: quantize with ``group = block_k``.
+- Split K, for the few-token steps: there an [N, K] weight's N tiles alone can leave SMs without a program
+  (down_proj, N = 4,096: 128 tiles for an H200's 132 SMs), and the step is the weight's streaming. The grid's
+  third dimension then splits each tile's K into contiguous ranges of whole steps; each split writes its share
+  of y as a float32 partial, and a second kernel adds them up in split order (no atomics: bit-identical
+  results run to run, CUDA graphs included), with the bias, in the output's dtype. ``default_config`` picks
+  the split from the SM count; apps/fp8_gemm_sweep.py --split-k times the alternatives.
 
 layers/fp8_linear.py calls them for the linear layers that keep an FP8 checkpoint's weights. Under Triton's
 interpreter they run on the CPU (tests/test_fp8_gemm.py).
@@ -18,9 +24,14 @@ interpreter they run on the CPU (tests/test_fp8_gemm.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+# relative: apps load kernels/ as a package of its own where nanostream is not installed
+from ._device import num_sms
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -62,17 +73,25 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
 
 @triton.jit
 def _scaled_matmul_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_om,
-    BLOCK_N_SCALE: tl.constexpr, ONE_GROUP: tl.constexpr,
+    stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_os, stride_om,
+    BLOCK_N_SCALE: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    # One flat loop over K (so that Triton pipelines its loads): with scale groups along K, BLOCK_K is the
-    # group's width and each step's product takes its two scales; with one group (per-channel or per-tensor
-    # weights, per-token activations) the scales multiply the sum once at the end.
+    # Program (pid_m, pid_n, split) owns a BLOCK_M x BLOCK_N tile and one contiguous range of K's steps of
+    # BLOCK_K columns: split s of S takes steps [s * steps // S, (s + 1) * steps // S), none when S > steps.
+    # One flat loop over the range (so that Triton pipelines its loads): with scale groups along K, BLOCK_K is
+    # the group's width, so no range cuts a group, and each step's product takes its two scales; with one group
+    # (per-channel or per-tensor weights, per-token activations) the scales multiply the range's sum once.
+    # Either way the tile is this split's share of y: with one split, y (+ bias) in out's dtype; with more, a
+    # float32 partial [S, M, N] that _sum_splits_kernel adds up.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    steps = tl.cdiv(K, BLOCK_K)
+    k_lo = split * steps // tl.num_programs(2) * BLOCK_K
+    k_hi = (split + 1) * steps // tl.num_programs(2) * BLOCK_K
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
@@ -80,7 +99,7 @@ def _scaled_matmul_kernel(
     a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_am
     b_rows = b_ptr + cols[:, None].to(tl.int64) * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -96,22 +115,68 @@ def _scaled_matmul_kernel(
         a_s = tl.load(as_ptr + rows * stride_asm, mask=row_mask, other=0.0)
         b_s = tl.load(bs_ptr + b_scale_rows * stride_bsn, mask=col_mask, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    if HAS_BIAS:  # one split only: with more, the sum adds it
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-Config = tuple[int, int, int, int, int]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM's tile."""
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    # One program per (row, BLOCK columns): the partials [num_splits, M, N] added in split order, no atomics, so
+    # that the same inputs give the same bits (a CUDA graph's replays too); then the bias and out's dtype.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(num_splits):
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def default_config(m: int, n: int) -> Config:
-    """The tile for ``m`` rows: narrow N tiles for the few-token steps (enough programs to stream the weight
-    from every SM), wide ones where the step is compute-bound."""
-    if m <= 16:
-        return (16, 32 if n <= 8192 else 64, 128, 4, 4)
+class Config(NamedTuple):
+    """The GEMM's tile and its split of K: ``split_k`` programs share each tile's K, each a contiguous range of
+    whole scale groups (block-wise) or BLOCK_K steps (one group), their float32 partials summed by a second
+    kernel. A 5-tuple without ``split_k`` is one split."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+FEW_TOKENS = 16  # up to these many rows the tile is 16 high, the weight's streaming the cost, and K may split
+PROGRAMS_PER_SM = 3  # what a split K aims at: ~3 programs resident on each SM keep enough weight loads in flight
+MIN_STEPS_PER_SPLIT = 4  # a split walks at least 4 steps of 128 columns: its partial's write-back stays small
+SUM_BLOCK = 512  # columns per program of the partials' sum
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> Config:
+    """The tile for ``m`` rows of an [``n``, ``k``] weight on a GPU of ``sms`` SMs (``num_sms(device)``).
+
+    Few tokens: narrow N tiles, and where those alone leave the SMs short of programs (fewer than 2 per SM) K
+    splits until ~3 per SM stream the weight, each split at least 4 steps of 128 columns. More tokens: wide
+    tiles, one split (the step is compute-bound). Pure Python, a few operations: it runs on every call.
+
+    >>> default_config(1, 4096, 12288, 132)  # Qwen3-8B's down_proj at decode on an H200: 128 tiles x 3 splits
+    Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=3)
+    """
+    if m <= FEW_TOKENS:
+        block_n = 32 if n <= 8192 else 64
+        tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
+        splits = 1
+        if tiles < 2 * sms:
+            splits = max(1, min(round(PROGRAMS_PER_SM * sms / tiles), triton.cdiv(k, 128) // MIN_STEPS_PER_SPLIT))
+        return Config(16, block_n, 128, 4, 4, splits)
     if m <= 64:
-        return (64, 64, 128, 4, 4)
-    return (128, 128, 128, 8, 3)
+        return Config(64, 64, 128, 4, 4)
+    return Config(128, 128, 128, 8, 3)
 
 
 def fp8_scaled_matmul(
@@ -121,15 +186,21 @@ def fp8_scaled_matmul(
     b_scale: torch.Tensor,
     block: tuple[int, int],
     out_dtype: torch.dtype,
-    config: Config | None = None,
+    bias: torch.Tensor | None = None,
+    config: Config | tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """(a × a_scale) @ (b × b_scale)ᵀ: [M, N] in ``out_dtype``.
+    """(a × a_scale) @ (b × b_scale)ᵀ + bias: [M, N] in ``out_dtype``.
 
     a [M, K] and b [N, K] float8_e4m3fn, rows contiguous; ``block`` = (block_n, block_k): b's scale covers
     block_n rows and block_k columns, ``b_scale`` [ceil(N / block_n), ceil(K / block_k)] float32; a's scale
     covers block_k columns of a row, ``a_scale`` [M, ceil(K / block_k)] (``quantize_per_token_group(x,
     block_k)``). block_k is K or more (one group: per-channel and per-tensor weights), or a power of two from
-    16 (the block-wise checkpoints' 128). ``config`` overrides the tile (benchmarks).
+    16 (the block-wise checkpoints' 128). ``bias`` [N] (any float dtype) is added in float32. ``config``
+    overrides ``default_config`` (benchmarks): a ``Config`` or its fields as a tuple. Bit-identical from call to
+    call whatever the split, and CUDA-graph capturable (a split's workspace comes from the caching allocator).
+
+        xq, xs = quantize_per_token_group(x, 128)  # x [M, K] bfloat16
+        y = fp8_scaled_matmul(xq, xs, w, w_scale, (128, 128), torch.bfloat16, config=(16, 32, 128, 4, 4, 3))
     """
     m, k = a.shape
     n = b.shape[0]
@@ -141,20 +212,31 @@ def fp8_scaled_matmul(
     assert a_scale.dtype == b_scale.dtype == torch.float32, (a_scale.dtype, b_scale.dtype)
     assert a_scale.shape == (m, triton.cdiv(k, block_k)), (a_scale.shape, m, k, block_k)
     assert b_scale.shape == (triton.cdiv(n, block_n), triton.cdiv(k, block_k)), (b_scale.shape, n, k, block)
+    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1 and bias.device == a.device), bias
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if not (m and n):
         return out
-    block_m_, block_n_, block_k_, warps, stages = config or default_config(m, n)
-    block_k_ = block_k_ if one_group else block_k  # a step never crosses a scale group
-    block_n_ = min(block_n_, max(16, triton.next_power_of_2(n)))
-    block_m_ = min(block_m_, max(16, triton.next_power_of_2(m)))
-    grid = (triton.cdiv(m, block_m_), triton.cdiv(n, block_n_))
+    cfg = Config(*config) if config else default_config(m, n, k, num_sms(a.device))
+    assert cfg.split_k >= 1, cfg
+    block_k_ = cfg.block_k if one_group else block_k  # a step is a scale group: no split cuts one
+    block_n_ = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
+    block_m_ = min(cfg.block_m, max(16, triton.next_power_of_2(m)))
+    splits = cfg.split_k
+    # one split writes y; more write float32 partials [splits, M, N], summed below
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    stride_os, stride_om = (0, out.stride(0)) if splits == 1 else part.stride()[:2]
+    grid = (triton.cdiv(m, block_m_), triton.cdiv(n, block_n_), splits)
     _scaled_matmul_kernel[grid](
-        a, a_scale, b, b_scale, out,
+        a, a_scale, b, b_scale, out if bias is None else bias, part,
         m, n, k,
-        a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), out.stride(0),
-        BLOCK_N_SCALE=block_n, ONE_GROUP=one_group,
-        BLOCK_M=block_m_, BLOCK_N=block_n_, BLOCK_K=block_k_, STAGES=stages,
-        num_warps=warps,
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), stride_os, stride_om,
+        BLOCK_N_SCALE=block_n, ONE_GROUP=one_group, HAS_BIAS=bias is not None and splits == 1,
+        BLOCK_M=block_m_, BLOCK_N=block_n_, BLOCK_K=block_k_, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
+            part, out if bias is None else bias, out, m, n, splits, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4,
+        )  # fmt: skip
     return out

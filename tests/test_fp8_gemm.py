@@ -1,6 +1,8 @@
 """The FP8 GEMM kernels (nanostream.kernels.fp8_gemm) against float64 matmuls of the dequantized operands, in
 the three layouts FP8 checkpoints use: block-wise weights with per-token-group activations, per-channel and
-per-tensor weights with per-token activations. Shapes no block divides, so every edge tile is partial.
+per-tensor weights with per-token activations. Shapes no block divides, so every edge tile is partial. Split K
+(the few-token form) in both kinds of scales along K: groups of 128 and one per row, with more splits than
+steps (empty splits), a bias, and results bit-identical from call to call.
 
 On the CPU they run under Triton's interpreter (whose float -> e4m3 cast can round a value differently from
 torch's: the quantizer is checked against its own dequantized output, not torch's cast); gpu-marked
@@ -9,7 +11,14 @@ cases run them compiled at Qwen3-8B's projection shapes."""
 import pytest
 import torch
 
-from nanostream.kernels.fp8_gemm import FP8, FP8_MAX, fp8_scaled_matmul, quantize_per_token_group
+from nanostream.kernels.fp8_gemm import (
+    FP8,
+    FP8_MAX,
+    Config,
+    default_config,
+    fp8_scaled_matmul,
+    quantize_per_token_group,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,6 +83,64 @@ def test_launcher_rejects_mismatched_scales():
         fp8_scaled_matmul(xq, xs, wq, torch.ones(1, 1, device=DEVICE), (16, 32), torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["block", "row"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k", [256, 384, 1000])
+def test_split_k_matches_the_dequantized_product(layout, m, k):
+    # 128-column groups (K = 1000: the last one partial) or one scale per row over steps of 128 columns: 2, 3 or
+    # 8 steps, so 3 and 5 splits leave some empty; a bias with splits 1, 3 and 5 (the GEMM's epilogue adds it
+    # with one split, the sum with more)
+    n = 48  # two N tiles of 32, the second partial
+    gen = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    block, group = {"block": ((128, 128), 128), "row": ((1, k), k)}[layout]
+    wq, ws = quantize_weight(w, block)
+    xq, xs = quantize_per_token_group(x.to(DEVICE), group)
+    ref = dequantized(xq.cpu(), xs.cpu(), (1, group)) @ dequantized(wq, ws, block).T
+    wq, ws = wq.to(DEVICE), ws.to(DEVICE)
+    for splits in (1, 2, 3, 5):
+        b = bias.to(DEVICE) if splits % 2 else None
+        config = Config(16, 32, 128, 4, 4, splits)
+        out = fp8_scaled_matmul(xq, xs, wq, ws, block, torch.float32, bias=b, config=config)
+        want = ref if b is None else ref + bias.double()
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=f"{splits} splits")
+
+
+def test_default_split_k_in_bfloat16_with_bias_is_bit_identical_run_to_run():
+    # 2 tokens, N = 128 (4 tiles), K = 2,048 (16 groups): default_config splits K 4 ways at 132 SMs, the
+    # interpreter's count; the sum adds a bfloat16 bias and rounds to bfloat16
+    m, n, k = 2, 128, 2048
+    assert default_config(m, n, k, 132).split_k == 4
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=gen)
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, (128, 128))
+    bias = torch.randn(n, generator=gen).bfloat16()
+    xq, xs = quantize_per_token_group(x.to(DEVICE), 128)
+    args = xq, xs, wq.to(DEVICE), ws.to(DEVICE), (128, 128), torch.bfloat16
+    out = fp8_scaled_matmul(*args, bias=bias.to(DEVICE))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fp8_scaled_matmul(*args, bias=bias.to(DEVICE)))
+    ref = dequantized(xq.cpu(), xs.cpu(), (1, 128)) @ dequantized(wq, ws, (128, 128)).T + bias.double()
+    torch.testing.assert_close(out.cpu(), ref.bfloat16())
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+def test_default_config_splits_k_only_where_n_tiles_leave_sms_idle(sms):
+    # Qwen3-8B's projections at decode: qkv, o, gate/up, down
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+        for m in (1, 16):
+            cfg = default_config(m, n, k, sms)
+            tiles = -(-n // cfg.block_n)
+            if tiles >= 2 * sms:
+                assert cfg.split_k == 1, (n, k, m, cfg)
+            else:  # ~3 programs per SM, each at least 4 groups of K
+                assert 2 * sms <= tiles * cfg.split_k <= 4 * sms and k // 128 >= 4 * cfg.split_k, (n, k, m, cfg)
+    assert default_config(1, 4096, 256, sms).split_k == 1  # 2 groups: too few to split
+    assert default_config(17, 4096, 12288, sms).split_k == 1  # past the few-token steps
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 64, 256, 4096])
@@ -87,3 +154,32 @@ def test_block_scaled_matmul_at_qwen3_8b_shapes_gpu(m, n, k):
     out = fp8_scaled_matmul(xq, xs, wq.cuda(), ws.cuda(), (128, 128), torch.bfloat16)
     ref = dequantized(xq.cpu(), xs.cpu(), (1, 128)) @ dequantized(wq, ws, (128, 128)).T
     assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("layout", ["block", "row"])
+def test_split_k_compiled_is_bit_identical_eager_and_in_a_cuda_graph_gpu(m, layout):
+    # down_proj's shape at decode, split 1, 3 (the default at 132 SMs) and 8 ways
+    n, k = 4096, 12288
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).cuda().bfloat16()
+    w = torch.randn(n, k, generator=gen) * 0.02
+    block, group = {"block": ((128, 128), 128), "row": ((1, k), k)}[layout]
+    wq, ws = quantize_weight(w, block)
+    bias = torch.randn(n, generator=gen).cuda().bfloat16()
+    xq, xs = quantize_per_token_group(x, group)
+    ref = dequantized(xq.cpu(), xs.cpu(), (1, group)) @ dequantized(wq, ws, block).T + bias.cpu().double()
+    args = xq, xs, wq.cuda(), ws.cuda(), block, torch.bfloat16
+    for splits in (1, 3, 8):
+        config = Config(16, 32, 128, 4, 4, splits)
+        out = fp8_scaled_matmul(*args, bias=bias, config=config)
+        assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, splits
+        assert torch.equal(out, fp8_scaled_matmul(*args, bias=bias, config=config)), splits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_scaled_matmul(*args, bias=bias, config=config)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, captured), splits

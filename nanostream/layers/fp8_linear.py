@@ -95,11 +95,9 @@ def fp8_linear(
         y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)[:m]
         if bias is not None:
             y += bias
-    else:
+    else:  # few tokens (or a shape torch refuses): the Triton GEMM, K split where N alone leaves SMs idle
         xq, xs = quantize_per_token_group(x2, k if per_row else block[1])
-        y = fp8_scaled_matmul(xq, xs, weight, scale, block, x.dtype)
-        if bias is not None:
-            y += bias
+        y = fp8_scaled_matmul(xq, xs, weight, scale, block, x.dtype, bias=bias)
     return y.reshape(*lead, -1)
 
 
