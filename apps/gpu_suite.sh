@@ -33,6 +33,9 @@
 #   bash apps/gpu_suite.sh fp8 PART # issue 33 on the 8B shape (dummy weights), one call per PART: tests (the FP8
 #                                  #   gpu tests, the FP8 GEMM kernel section), bench (bf16, FP8 W, FP8 W + KV on
 #                                  #   the bench workload), one (the same at batch 1), agree (fp8_agreement.py)
+#   bash apps/gpu_suite.sh invariant PART # issue 34, one call per PART: tests (the gpu-marked batch-invariance
+#                                  #   tests, then bench.py without and with --batch-invariant), soak (apps/soak.py
+#                                  #   with --batch-invariant, bf16 then float32, 90 s and 3 kills each)
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -355,6 +358,27 @@ fp8)
         done ;;
     agree)
         timeout 300 python3 apps/fp8_agreement.py --preset qwen3-8b-fp8 --build-dir /tmp/8b-fp8 2>&1 | tail -n 4 ;;
+    esac ;;
+invariant)
+    case ${1:?usage: gpu_suite.sh invariant tests|soak} in
+    tests)  # the gpu-marked batch-invariance tests, then the bench workload without and with the mode, same call
+        timeout 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_batch_invariant.py \
+            >"$out/test_batch_invariant.log" 2>&1
+        echo "== batch-invariant tests: $(tail -n 1 "$out/test_batch_invariant.log")"
+        grep -E "^(FAILED|ERROR)|^E  |without batch_invariant" "$out/test_batch_invariant.log" | head -n 12
+        for mode in --no-batch-invariant --batch-invariant; do
+            echo "== bench $mode"
+            timeout 150 "${bench[@]}" --backends triton "$mode" 2>&1 | grep -v "Loading weights" \
+                | tee "$out/bench$mode.log" | tail -n 5
+        done ;;
+    soak)  # apps/soak.py with the mode, bf16 then float32: 90 s each, 3 kills, every stream against offline
+        [ -d /tmp/qwen3-0.6b-random ] || timeout 120 "${bench[@]}" --backends triton --num-requests 1 >/dev/null 2>&1
+        for dtype in bfloat16 float32; do
+            echo "== soak $dtype"
+            timeout 290 python3 apps/soak.py --model /tmp/qwen3-0.6b-random --device cuda --dtype "$dtype" \
+                --num-kvcache-blocks 1024 --clients 8 --streams 32 --requests 0 --seconds 90 --kills 3 \
+                --batch-invariant 2>&1 | tee "$out/soak-$dtype.log" | tail -n 8
+        done ;;
     esac ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;

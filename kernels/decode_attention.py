@@ -133,6 +133,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -141,7 +142,9 @@ def paged_decode_attention(
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
     ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
     denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn
-    caches and only then (K read as stored * k_scale). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
+    caches and only then (K read as stored * k_scale). ``num_splits`` fixes the split count (None: chosen by
+    batch size and context bound; 1, the batch-invariant mode's: each context in one program, tile by tile
+    from its start, as the prefill kernel reads it). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
 
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
     """
@@ -165,7 +168,8 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    splits = num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
+    splits = num_splits or num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
+    assert 1 <= splits <= MAX_SPLITS, splits
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.layers.batch_invariant import ordered_topk_sum
 from nanostream.layers.moe import Activation, ClampedSwiGLU
 
 
@@ -271,6 +272,10 @@ def _check_layout(
         raise ValueError("x, the weights, the biases and the routing tensors must be on one device")
 
 
+INVARIANT_TOKENS = 64
+"""The token count whose tile the batch-invariant mode runs at every count (decode's, mostly)."""
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -282,6 +287,7 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
     activation: Activation = "silu",
     tile: MoETile | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``nanostream.layers.moe.MoEFn``: the routed experts of x [T, H] (unit-stride rows) with w13 [E, 2I, H]
     (gate rows, then up) and w2 [E, H, I] (unit stride along their last dimension), topk_ids / topk_weights
@@ -289,7 +295,9 @@ def fused_moe(
     [E, 2I] and ``w2_bias`` [E, H] (gpt-oss) are added to the float32 accumulators, before the activation
     and the routing weight; ``activation`` is "silu" or gpt-oss's ``ClampedSwiGLU``.
 
-    ``tile`` overrides ``tile_for``'s choice (benchmarks)."""
+    ``tile`` overrides ``tile_for``'s choice (benchmarks). ``invariant`` (the batch-invariant mode): the tile
+    of ``INVARIANT_TOKENS`` tokens whatever the count, and each token's K rows added in top-k order, so that a
+    token's output does not depend on the others'."""
     _check_layout(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     clamped = isinstance(activation, ClampedSwiGLU)
     if not clamped and activation != "silu":
@@ -299,7 +307,7 @@ def fused_moe(
     inter = two_i // 2
     if num_tokens == 0:
         return torch.zeros_like(x)
-    tile = tile or tile_for(num_tokens, num_experts, hidden, inter, x.dtype)
+    tile = tile or tile_for(INVARIANT_TOKENS if invariant else num_tokens, num_experts, hidden, inter, x.dtype)
     sorted_pairs, block_experts, num_padded = align_by_expert(topk_ids, num_experts, tile.block_m)
     num_pairs, num_blocks_m = num_tokens * top_k, block_experts.shape[0]
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
@@ -324,4 +332,6 @@ def fused_moe(
         0 if w2_bias is None else w2_bias.stride(0), 0.0, 0.0,
         A_ROW_DIV=1, GATED_ACT="", HAS_BIAS=w2_bias is not None, MUL_WEIGHT=True, **common,
     )  # fmt: skip
+    if invariant:
+        return ordered_topk_sum(out.view(num_tokens, top_k, hidden))
     return out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H], each token's K rows in top-k order

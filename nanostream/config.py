@@ -71,6 +71,10 @@ class EngineConfig:
     """The KV cache's dtype. auto: the model's. fp8 (fp8_e4m3): float8 e4m3, one byte an element, so twice the KV
     blocks of a bfloat16 cache at the same memory; K and V are stored divided by a per-layer scale (the
     checkpoint's k_scale/v_scale, else 1.0). The torch and triton attention backends read it, not flash_attn."""
+    batch_invariant: bool = False
+    """A request's tokens (greedy, or sampled with a seed) do not depend on which requests share its steps: every
+    GEMM has one tile for any batch and attention splits nothing by the batch (the triton or torch backend;
+    FP8 weights are dequantized). Costs throughput (BENCHMARKS.md); tensor parallelism up to 2 ranks."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -105,6 +109,16 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            raise ValueError(
+                f"batch_invariant runs on 1 or 2 ranks, not tensor_parallel_size={self.tensor_parallel_size}: "
+                "an all-reduce of 3 or more ranks sums in an order that follows the message's size"
+            )
+        if self.batch_invariant and self.attention_backend == "flash_attn":
+            raise ValueError(
+                "batch_invariant needs attention_backend 'triton', 'torch' or 'auto': FlashAttention splits its work "
+                "by the batch"
+            )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

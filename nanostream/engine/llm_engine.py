@@ -112,13 +112,14 @@ class LLMEngine:
         self._failed_steps = 0  # in a row
         self._counters = StepCounters()
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)%s",
             self.model_path,
             config.device,
             weights_dtype(self.runner.model),
             self.block_manager.num_blocks,
             config.kvcache_block_size,
             str(self.runner.kv_dtype).removeprefix("torch."),
+            ", batch-invariant" if config.batch_invariant else "",
         )
         # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
         # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms

@@ -105,11 +105,15 @@ class ModelRunner:
             block_size=self.block_size,
             head_dim=self.spec.head_dim,
             kv_cache_dtype=self.kv_dtype,
+            batch_invariant=config.batch_invariant,
         )
-        kernels = LayerKernels.for_backend(self.backend, compile=cuda and config.torch_compile)
+        kernels = LayerKernels.for_backend(
+            self.backend, compile=cuda and config.torch_compile, batch_invariant=config.batch_invariant
+        )
         self.model = load_model(
-            self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp, load_format=config.load_format
-        )
+            self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp,
+            load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
+        )  # fmt: skip
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.prefill_graphs: PrefillGraphs | None = None

@@ -161,15 +161,24 @@ def check_window(window: int | None) -> None:
         raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
 
 
+ALIGNED = 32
+"""Query positions per attention call of the torch backend in the batch-invariant mode."""
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend: scaled-dot-product attention over K/V gathered from the pool. Any device.
 
     With ``sinks`` the softmax is written out (SDPA has no sink term): float32 logits, the sink as one
     more column, as transformers' gpt-oss eager attention computes it. An FP8 pool is read back
-    dequantized in the model's dtype, then attended as a pool in that dtype would be.
+    dequantized in the model's dtype, then attended as a pool in that dtype would be. ``batch_invariant``:
+    each query in its aligned block of positions (``_aligned``), so that its result depends on its position
+    and context alone.
     """
 
     name = "torch"
+
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None, k_scale=None, v_scale=None):
         check_window(window)
@@ -182,6 +191,8 @@ class TorchAttention(AttentionBackend):
         else:
             k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
             v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        if self.batch_invariant:
+            return self._aligned(q, k_pool, v_pool, meta, cache.block_size, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             return self._decode(q, cache, meta, scale, window, sinks, k_scale, v_scale)
         out = torch.empty_like(q)
@@ -201,6 +212,36 @@ class TorchAttention(AttentionBackend):
             if window is not None:
                 mask &= k_pos > q_pos - window
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
+        return out
+
+    def _aligned(self, q, k_pool, v_pool, meta, bs, scale, window, sinks, k_scale, v_scale):
+        # The batch-invariant mode: a query at position p is attended in the block of ALIGNED positions
+        # that holds it, [p0, p0 + ALIGNED) with p0 a multiple of ALIGNED, against the keys [0, p0 + ALIGNED)
+        # (zeros past the context, masked), the block's other rows zeros or the neighbours' queries. Every
+        # SDPA call then has a shape set by p alone: the same whether p is decoded, prefilled whole or in a
+        # chunk of any length, in a batch of any size, or recomputed after a preemption.
+        out = torch.empty_like(q)
+        hq, d = q.shape[1:]
+        for i, seq_len in enumerate(meta.seq_lens_host):
+            start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
+            first = seq_len - (end - start)  # the first query's position
+            slots = self._slots(meta.block_tables[i], seq_len, bs)
+            keys = self._gather(k_pool, slots, k_scale, q.dtype)  # [seq_len, Hkv, D]
+            values = self._gather(v_pool, slots, v_scale, q.dtype)
+            for p0 in range(first // ALIGNED * ALIGNED, seq_len, ALIGNED):
+                p1, lo, hi = p0 + ALIGNED, max(p0, first), min(p0 + ALIGNED, seq_len)
+                qi = q.new_zeros(ALIGNED, hq, d)
+                qi[lo - p0 : hi - p0] = q[start + lo - first : start + hi - first]
+                ki = F.pad(keys[:p1], (0, 0, 0, 0, 0, max(0, p1 - seq_len)))  # [p1, Hkv, D]
+                vi = F.pad(values[:p1], (0, 0, 0, 0, 0, max(0, p1 - seq_len)))
+                q_pos = torch.arange(p0, p1, device=q.device)[:, None]
+                k_pos = torch.arange(p1, device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+                o = self._attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
+                                    mask, scale, sinks)  # fmt: skip
+                out[start + lo - first : start + hi - first] = o[0].transpose(0, 1)[lo - p0 : hi - p0]
         return out
 
     @staticmethod

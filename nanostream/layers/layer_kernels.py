@@ -10,6 +10,8 @@
   elementwise layers (norms, rotary, SiLU-and-mul), torch.compile'd, fuses into one kernel each.
 - Otherwise the torch code, eagerly. The MoE experts' reference (``layers.moe.moe_experts``) is never
   compiled; where ``grouped_mm`` runs (CPU, bf16 on CUDA) it has no host sync either.
+- ``batch_invariant``: every GEMM (linear layers, LM head, router, experts) is the mode's
+  (``layers.batch_invariant``), whose rows do not depend on the batch; nothing is torch.compile'd.
 
 Compiling leaves dynamo's process-wide settings as they were. Each compiled function is one form
 (a norm with a residual add is another function than one without), so its variants (rank, a batch
@@ -21,15 +23,19 @@ process do not share one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanostream.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
+from nanostream.layers.batch_invariant import invariant_linear, invariant_moe
+from nanostream.layers.linear import Gemm
 from nanostream.layers.moe import MoEFn, moe_experts
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
 from nanostream.layers.rotary import RotaryFn, apply_rotary
@@ -47,13 +53,21 @@ class LayerKernels:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul
     rotary: RotaryFn = apply_rotary  # unused where the attention backend's prologue rotates
     moe: MoEFn = moe_experts  # the routed experts of the MoE layers
+    linear: Gemm = F.linear  # the linear layers' and the LM head's GEMM
 
     @classmethod
-    def for_backend(cls, backend: AttentionBackend, *, compile: bool = False) -> LayerKernels:
-        """Triton kernels where the backend runs Triton; else the torch code, compiled if ``compile``::
+    def for_backend(
+        cls, backend: AttentionBackend, *, compile: bool = False, batch_invariant: bool = False
+    ) -> LayerKernels:
+        """Triton kernels where the backend runs Triton; else the torch code, compiled if ``compile``; the
+        batch-invariant GEMMs with ``batch_invariant``::
 
         kernels = LayerKernels.for_backend(get_backend("auto", device, ...), compile=device.type == "cuda")
         """
+        if batch_invariant:
+            plain = cls.for_backend(backend)
+            moe = invariant_moe(backend.prologue is not None)
+            return dataclasses.replace(plain, linear=invariant_linear, moe=moe)
         if backend.prologue is not None:
             from nanostream.kernels import norm_act
             from nanostream.kernels.fused_moe import fused_moe

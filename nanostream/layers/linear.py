@@ -16,6 +16,7 @@ scales together, a block's scale with the block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,25 +29,31 @@ from nanostream.layers.fp8_linear import fp8_linear
 TensorSlice = Any
 """A safetensors slice (``get_slice``) or a tensor: ``x[a:b]``, ``x[:, a:b]`` and ``x[:]`` read that part."""
 
+Gemm = Callable[..., torch.Tensor]
+"""``(x, weight, bias=None)`` -> ``x @ weight.T + bias``: ``F.linear``, or the batch-invariant mode's
+``layers.batch_invariant.invariant_linear`` (``LayerKernels.linear``)."""
+
 
 def _rows(loaded: TensorSlice) -> int:
     return loaded.get_shape()[0] if hasattr(loaded, "get_shape") else loaded.shape[0]
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight may be FP8 (``keep_fp8``: ``weight_scale`` per ``fp8_block``)."""
+    """``nn.Linear`` whose weight may be FP8 (``keep_fp8``: ``weight_scale`` per ``fp8_block``); ``gemm``
+    multiplies an unquantized one."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, gemm: Gemm = F.linear) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_parameter("weight_scale", None)
         self.fp8_block: tuple[int, int] | None = None
+        self.gemm = gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
-            return F.linear(x, self.weight, bias)
+            return self.gemm(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
 
     def can_keep_fp8(self, block: tuple[int, int]) -> bool:
@@ -91,8 +98,10 @@ class MergedColumnLinear(Linear):
     ``parts`` maps each checkpoint projection to the rows of it this layer holds and that tensor's full
     row count: ``{"q": (range(0, 512), 1024), ...}`` is the first half of a 1024-row q_proj."""
 
-    def __init__(self, in_features: int, parts: dict[str, tuple[range, int]], bias: bool) -> None:
-        super().__init__(in_features, sum(len(rows) for rows, _ in parts.values()), bias)
+    def __init__(
+        self, in_features: int, parts: dict[str, tuple[range, int]], bias: bool, gemm: Gemm = F.linear
+    ) -> None:
+        super().__init__(in_features, sum(len(rows) for rows, _ in parts.values()), bias, gemm)
         self.shard_offsets: dict[str, int] = {}  # part -> its first row here
         self.parts = parts
         offset = 0
@@ -141,8 +150,10 @@ class RowParallelLinear(Linear):
 
     The bias, whole on every rank, is added once, after the sum."""
 
-    def __init__(self, columns: range, out_features: int, bias: bool, tp: TensorParallel) -> None:
-        super().__init__(len(columns), out_features, bias)
+    def __init__(
+        self, columns: range, out_features: int, bias: bool, tp: TensorParallel, gemm: Gemm = F.linear
+    ) -> None:
+        super().__init__(len(columns), out_features, bias, gemm)
         self.columns, self.tp = columns, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,8 +175,10 @@ class RowParallelLinear(Linear):
         param.data.copy_(part)
 
 
-def row_parallel_linear(columns: range, out_features: int, bias: bool, tp: TensorParallel) -> Linear:
+def row_parallel_linear(
+    columns: range, out_features: int, bias: bool, tp: TensorParallel, gemm: Gemm = F.linear
+) -> Linear:
     """``RowParallelLinear`` over ``columns``, or at one rank the plain layer (no collective)."""
     if tp.size == 1:
-        return Linear(len(columns), out_features, bias=bias)
-    return RowParallelLinear(columns, out_features, bias, tp)
+        return Linear(len(columns), out_features, bias, gemm)
+    return RowParallelLinear(columns, out_features, bias, tp, gemm)

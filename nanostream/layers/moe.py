@@ -37,7 +37,8 @@ from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.activation import SiluAndMul
-from nanostream.layers.linear import MergedColumnLinear, RowParallelLinear, TensorSlice
+from nanostream.layers.batch_invariant import ordered_topk_sum
+from nanostream.layers.linear import Gemm, MergedColumnLinear, RowParallelLinear, TensorSlice
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def moe_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation: Activation = "silu",
+    linear: Gemm | None = None,
 ) -> torch.Tensor:
     """The reference ``MoEFn``, transformers' computation (its default ``grouped_mm`` experts): the T*K
     (token, expert) pairs sorted by expert, one grouped GEMM for gate and up (+ the bias), the activation,
@@ -156,24 +158,38 @@ def moe_experts(
     top-k order.
 
     The product with the weights takes their dtype (float32 for Mixtral, as transformers), and so does
-    the sum; the result is cast to x's dtype."""
+    the sum; the result is cast to x's dtype. ``linear`` (the batch-invariant mode's): each expert's rows
+    through it, one call per expert (a host sync), and the k outputs added in top-k order."""
     num_tokens, k = topk_ids.shape
     num_experts = w13.shape[0]
     sorted_ids, perm = torch.sort(topk_ids.reshape(-1))  # [T*K]: the pairs, by expert
     rows = x[perm // k]  # [T*K, H]
     ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True).to(torch.int32)
-    gate_up = _grouped_linear(rows, w13, ends)  # [T*K, 2I]
+    grouped = _grouped_linear if linear is None else functools.partial(_per_expert, linear)
+    gate_up = grouped(rows, w13, ends)  # [T*K, 2I]
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[sorted_ids]
     gate, up = gate_up.chunk(2, dim=-1)  # [T*K, I] each
     act = F.silu(gate) * up if activation == "silu" else activation(gate, up)  # [T*K, I]
-    out = _grouped_linear(act, w2, ends)  # [T*K, H]
+    out = grouped(act, w2, ends)  # [T*K, H]
     if w2_bias is not None:
         out = out + w2_bias[sorted_ids]
     out = out * topk_weights.reshape(-1)[perm, None]
     unsorted = torch.empty_like(out)
     unsorted[perm] = out  # back to (token, k) order
+    if linear is not None:
+        return ordered_topk_sum(unsorted.view(num_tokens, k, -1)).to(x.dtype)
     return unsorted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _per_expert(linear: Gemm, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    # _grouped_linear's result, each expert's rows through ``linear``
+    out, start = a.new_zeros(a.shape[0], w.shape[1]), 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = linear(a[start:end], w[e])
+        start = end
+    return out
 
 
 # ---- the modules ---------------------------------------------------------------------------------
@@ -183,8 +199,9 @@ class Router(nn.Module):
     """Gate linear (+ bias) -> float32 softmax over the experts -> top k (-> renormalised), or (gpt-oss) top k
     of the logits -> a softmax over them: (weights, expert ids)."""
 
-    def __init__(self, hidden_size: int, spec: MoESpec) -> None:
+    def __init__(self, hidden_size: int, spec: MoESpec, gemm: Gemm = F.linear) -> None:
         super().__init__()
+        self.gemm = gemm
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(spec.num_experts)) if spec.router_bias else None
         self.top_k, self.renormalize, self.float32_weights = spec.top_k, spec.renormalize, spec.float32_weights
@@ -192,7 +209,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] (float32, or x's dtype as transformers' Qwen routers), ids [T, K] int64
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = self.gemm(x, self.weight, self.bias)  # [T, E]
         if self.softmax_after_topk:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), ids
@@ -302,8 +319,8 @@ class PartialSumLinear(RowParallelLinear):
     """``columns`` of a projection's input features (read from the checkpoint as ``RowParallelLinear``
     reads them), left unreduced: this rank's part of the sum, which the MoE block's all-reduce adds."""
 
-    def __init__(self, columns: range, out_features: int) -> None:
-        super().__init__(columns, out_features, bias=False, tp=SINGLE)
+    def __init__(self, columns: range, out_features: int, gemm: Gemm = F.linear) -> None:
+        super().__init__(columns, out_features, bias=False, tp=SINGLE, gemm=gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)  # [T, in / size] -> [T, out]
@@ -312,11 +329,12 @@ class PartialSumLinear(RowParallelLinear):
 class SharedExpert(nn.Module):
     """Qwen2-MoE's shared expert: a SwiGLU MLP over ``rows`` of its intermediate dimension, every token."""
 
-    def __init__(self, hidden_size: int, rows: range, total: int, act: SiluAndMul) -> None:
+    def __init__(self, hidden_size: int, rows: range, total: int, act: SiluAndMul, gemm: Gemm = F.linear) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, {"gate": (rows, total), "up": (rows, total)}, bias=False)
+        parts = {"gate": (rows, total), "up": (rows, total)}
+        self.gate_up_proj = MergedColumnLinear(hidden_size, parts, bias=False, gemm=gemm)
         self.act = act
-        self.down_proj = PartialSumLinear(rows, hidden_size)
+        self.down_proj = PartialSumLinear(rows, hidden_size, gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -337,16 +355,18 @@ class SparseMoE(nn.Module):
         kernel: MoEFn,
         act: SiluAndMul,
         tp: TensorParallel,
+        gemm: Gemm = F.linear,
     ) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, spec)
+        self.gemm = gemm
+        self.gate = Router(hidden_size, spec, gemm)
         self.experts = Experts(hidden_size, spec, expert_rows, kernel)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_expert_intermediate_size:
             total = spec.shared_expert_intermediate_size
-            self.shared_expert = SharedExpert(hidden_size, shared_rows, total, act)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert = SharedExpert(hidden_size, shared_rows, total, act, gemm)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # its weight, multiplied by gemm
         self.reduce = tp.all_reduce if tp.size > 1 else _unreduced  # one rank: no collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -355,7 +375,7 @@ class SparseMoE(nn.Module):
         y = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             # As transformers: the routed sum + sigmoid(gate) * shared, in the model's dtype.
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + torch.sigmoid(self.gemm(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return self.reduce(y)
 
 

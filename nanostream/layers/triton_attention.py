@@ -16,6 +16,7 @@ from nanostream.layers.attention_backend import (
 )
 
 FP8_MIN_ARCH = (8, 9)  # Triton converts float8 e4m3 (its fp8e4nv) on sm89 and newer
+INVARIANT_PREFILL_TILE = (16, 64, 4, 2)  # (BLOCK_M, BLOCK_N, num_warps, num_stages): the decode kernel's tile
 
 
 def triton_unavailable_reason(device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str | None:
@@ -43,7 +44,8 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         from nanostream.kernels.decode_attention import paged_decode_attention
         from nanostream.kernels.prefill_attention import paged_prefill_attention
         from nanostream.kernels.qkv_prologue import qkv_prologue
@@ -51,6 +53,11 @@ class TritonAttention(AttentionBackend):
 
         self._store, self._decode, self._prefill = store_kv, paged_decode_attention, paged_prefill_attention
         self.prologue = qkv_prologue
+        # The batch-invariant mode: no split of a context (decode), one tile whatever the longest chunk
+        # (prefill), the two kernels' tiles alike (16 query rows, 64 keys, 4 warps): a row's logits and sums
+        # are those of its position and context alone.
+        self._decode_options = dict(num_splits=1) if batch_invariant else {}
+        self._prefill_options = dict(config=INVARIANT_PREFILL_TILE) if batch_invariant else {}
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
@@ -69,22 +76,23 @@ class TritonAttention(AttentionBackend):
         extra = dict(window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
             return self._decode(
-                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k, **extra
+                q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k, **extra,
+                **self._decode_options,
             )  # fmt: skip
         if not meta.num_decodes:
             return self._prefill(
                 q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale,
-                **extra,
+                **extra, **self._prefill_options,
             )  # fmt: skip
         # A mixed step: the decode rows through the decode kernel, the prompt chunks through the prefill one.
         decode, rest = meta.decode_split
         n, out = meta.num_decodes, torch.empty_like(q)
         self._decode(
             q[:n], cache.k, cache.v, decode.block_tables, decode.seq_lens, scale, decode.max_seqlen_k, out[:n],
-            **extra,
+            **extra, **self._decode_options,
         )  # fmt: skip
         self._prefill(
             q[n:], cache.k, cache.v, rest.cu_seqlens_q, rest.seq_lens, rest.block_tables, rest.max_seqlen_q, scale,
-            out[n:], **extra,
+            out[n:], **extra, **self._prefill_options,
         )  # fmt: skip
         return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import TensorParallel
-from nanostream.layers.linear import TensorSlice
+from nanostream.layers.linear import Gemm, TensorSlice
 
 
 def _load_rows(param: nn.Parameter, loaded: TensorSlice, vocab: range) -> None:
@@ -40,17 +40,28 @@ class VocabParallelEmbedding(nn.Module):
         _load_rows(param, loaded, self.vocab)
 
 
-class ParallelLMHead(nn.Module):
+class LMHead(nn.Module):
+    """hidden [B, H] -> logits [B, V] by ``gemm`` (``F.linear``, or the batch-invariant mode's)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, gemm: Gemm = F.linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.gemm = gemm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.gemm(hidden, self.weight)  # None only from ParallelLMHead's other ranks
+
+
+class ParallelLMHead(LMHead):
     """``forward``: logits [B, V] on rank 0, None on the other ranks (their rows went to rank 0)."""
 
-    def __init__(self, vocab: range, hidden_size: int, tp: TensorParallel) -> None:
-        super().__init__()
+    def __init__(self, vocab: range, hidden_size: int, tp: TensorParallel, gemm: Gemm = F.linear) -> None:
+        super().__init__(len(vocab), hidden_size, gemm)
         self.vocab, self.tp = vocab, tp
-        self.weight = nn.Parameter(torch.empty(len(vocab), hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [B, hidden] -> this rank's logits [B, V / size] -> [B, V] on rank 0
-        return self.tp.gather_last_dim(F.linear(hidden, self.weight))
+        return self.tp.gather_last_dim(self.gemm(hidden, self.weight))
 
     def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> None:
         _load_rows(param, loaded, self.vocab)
@@ -60,5 +71,5 @@ def vocab_embedding(vocab: range, hidden_size: int, tp: TensorParallel) -> nn.Mo
     return nn.Embedding(len(vocab), hidden_size) if tp.size == 1 else VocabParallelEmbedding(vocab, hidden_size, tp)
 
 
-def lm_head(vocab: range, hidden_size: int, tp: TensorParallel) -> nn.Module:
-    return nn.Linear(hidden_size, len(vocab), bias=False) if tp.size == 1 else ParallelLMHead(vocab, hidden_size, tp)
+def lm_head(vocab: range, hidden_size: int, tp: TensorParallel, gemm: Gemm = F.linear) -> LMHead:
+    return LMHead(len(vocab), hidden_size, gemm) if tp.size == 1 else ParallelLMHead(vocab, hidden_size, tp, gemm)

@@ -121,7 +121,7 @@ class SelfAttention(nn.Module):
         q_rows, kv_rows = _head_rows(shard.heads, d), _head_rows(shard.kv_heads, d)
         q_total, kv_total = spec.num_heads * d, spec.num_kv_heads * d
         parts = {"q": (q_rows, q_total), "k": (kv_rows, kv_total), "v": (kv_rows, kv_total)}
-        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias)
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias, kernels.linear)
         self.attn = Attention(
             layer_idx,
             shard.num_heads,
@@ -137,7 +137,7 @@ class SelfAttention(nn.Module):
             window=spec.window(layer_idx),
             sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,
         )
-        self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp)
+        self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
 
 class MLP(nn.Module):
@@ -145,9 +145,9 @@ class MLP(nn.Module):
         super().__init__()
         rows, total = shard.intermediate, spec.intermediate_size
         parts = {"gate": (rows, total), "up": (rows, total)}
-        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, bias=spec.mlp_bias)
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
         self.act = SiluAndMul(kernels.gated(spec.activation))
-        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp)
+        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -227,7 +227,14 @@ def _mlp(
         return MLP(spec, kernels, shard, tp)
     act = SiluAndMul(kernels.silu_and_mul)
     return SparseMoE(
-        spec.hidden_size, spec.moe, shard.expert_intermediate, shard.shared_intermediate, kernels.moe, act, tp
+        spec.hidden_size,
+        spec.moe,
+        shard.expert_intermediate,
+        shard.shared_intermediate,
+        kernels.moe,
+        act,
+        tp,
+        kernels.linear,
     )
 
 
@@ -342,7 +349,7 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec
         self.shard = shard_decoder(spec, tp.rank, tp.size)
         self.model = DecoderModel(spec, kernels, self.shard, tp)
-        self.lm_head = lm_head(self.shard.vocab, spec.hidden_size, tp)
+        self.lm_head = lm_head(self.shard.vocab, spec.hidden_size, tp, kernels.linear)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
