@@ -38,7 +38,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    FP8_KV: tl.constexpr,
+    FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr,
 ):  # fmt: skip
     if FP8_KV:  # the stored keys' scale joins the logits' (the scale pointers are unread otherwise)
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -68,6 +68,10 @@ def _decode_kernel(
     m, denom = softmax_start(sinks_ptr, heads, g_mask & in_split_0, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles need no mask
+    if ALL_MASKED:  # the batch-invariant mode (one split): the prefill kernel's tiles, from a multiple of BLOCK_N
+        start = lo // BLOCK_N * BLOCK_N
+        end = seq_len
+        full_end = start
     for n0 in range(start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
@@ -133,7 +137,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -142,9 +146,10 @@ def paged_decode_attention(
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
     ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
     denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn
-    caches and only then (K read as stored * k_scale). ``num_splits`` fixes the split count (None: chosen by
-    batch size and context bound; 1, the batch-invariant mode's: each context in one program, tile by tile
-    from its start, as the prefill kernel reads it). Returns [B, Hq, D] in q's dtype (into ``out`` when given)::
+    caches and only then (K read as stored * k_scale). ``batch_invariant``: no split (each context in one
+    program, whatever the batch) and the prefill kernel's arithmetic (``paged_prefill_attention``'s
+    ``batch_invariant``), so that a preempted request's recomputed tokens are its decoded ones. Returns
+    [B, Hq, D] in q's dtype (into ``out`` when given)::
 
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
     """
@@ -168,8 +173,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    splits = num_splits or num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
-    assert 1 <= splits <= MAX_SPLITS, splits
+    splits = 1 if batch_invariant else num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -185,7 +189,7 @@ def paged_decode_attention(
         splits, window,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
-        num_warps=4, num_stages=2,
+        ALL_MASKED=batch_invariant, num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](

@@ -33,6 +33,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
+    ALL_MASKED: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,6 +70,9 @@ def _prefill_kernel(
     full_end = first_q // BLOCK_N * BLOCK_N
     kv_start = tl.maximum(first_q + 1 - window, 0) // BLOCK_N * BLOCK_N
     full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+    if ALL_MASKED:  # the batch-invariant mode: every tile through one code path (see paged_prefill_attention)
+        full_start = kv_end
+        full_end = kv_end
     for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
@@ -96,6 +100,11 @@ def _prefill_kernel(
     )
 
 
+INVARIANT_TILE = (16, 64, 4, 2)
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) of the batch-invariant mode: the decode kernel's tile (16 rows of
+query heads, 64 keys, 4 warps)."""
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -112,6 +121,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their paged contexts.
 
@@ -122,7 +132,11 @@ def paged_prefill_attention(
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
     ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``sinks``:
     [Hq], one softmax-denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32,
-    with float8_e4m3fn caches and only then (K read as stored * k_scale)::
+    with float8_e4m3fn caches and only then (K read as stored * k_scale). ``batch_invariant``: a query's result
+    depends on its position and context alone, not on where its chunk starts nor on the longest chunk, and is
+    the decode kernel's (``paged_decode_attention(batch_invariant=True)``) bit for bit: the tile of
+    ``INVARIANT_TILE`` (the decode kernel's), and every key tile masked, since the compiler fuses an unmasked
+    tile's scale and max subtraction into one rounding (an FMA) and a masked one's not::
 
         out = paged_prefill_attention(q, k_cache, v_cache, cu_q, lens, tables, 512, 0.125, window=128)
     """
@@ -152,8 +166,8 @@ def paged_prefill_attention(
     # bf16/fp16 at head dim <= 128: 128 x 64 tiles, 8 warps; float32 (tests, parity runs) halves them.
     block_m, block_n = (64, 32) if fp32 or block_d > 128 else (128, 64)
     num_warps, num_stages = (8 if block_m >= 128 else 4), 2
-    if config is not None:
-        block_m, block_n, num_warps, num_stages = config
+    if config is not None or batch_invariant:
+        block_m, block_n, num_warps, num_stages = INVARIANT_TILE if batch_invariant else config
     block_m = min(block_m, max(16, triton.next_power_of_2(max_seqlen_q)))
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks,
@@ -163,7 +177,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         window,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
+        PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8, ALL_MASKED=batch_invariant,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

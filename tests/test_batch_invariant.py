@@ -61,10 +61,19 @@ def run(llm: LLM, probes, others, seeded: bool, max_tokens: int = 8):
     return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
 
-def differing(llm: LLM, probes, others, seeded: bool) -> dict[int, int]:
-    """For 1, 7 and 64 others: how many probes' ids or logprobs differ from the probes' run alone."""
+def differing(llm: LLM, probes, others, seeded: bool, details: list | None = None) -> dict[int, int]:
+    """For 1, 7 and 64 others: how many probes' ids or logprobs differ from the probes' run alone. ``details``
+    collects (others, probe, its prompt length, the first differing token) of each."""
     alone = run(llm, probes, [], seeded)
-    return {n: sum(a != b for a, b in zip(alone, run(llm, probes, others[:n], seeded))) for n in (1, 7, 64)}
+    counts = {}
+    for n in (1, 7, 64):
+        got = run(llm, probes, others[:n], seeded)
+        bad = [i for i, (a, b) in enumerate(zip(alone, got)) if a != b]
+        counts[n] = len(bad)
+        for i in bad if details is not None else ():
+            first = next(t for t, (x, y) in enumerate(zip(alone[i][1], got[i][1])) if x != y)
+            details.append((n, i, len(probes[i]), first))
+    return counts
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
@@ -121,6 +130,30 @@ def test_invariant_triton_matmul_computes_the_linear():
         torch.testing.assert_close(invariant_matmul(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_invariant_attention_kernels_compute_attention(window):
+    # Under the interpreter: the mode's kernels (one split, every tile masked, from an aligned start) attend as
+    # the default ones do; their bit-for-bit agreement is the GPU test's.
+    from nanostream.kernels.decode_attention import paged_decode_attention
+    from nanostream.kernels.prefill_attention import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.tensor([1, 70, 130], dtype=torch.int32)
+    b, hq, hkv, d, page = 3, 4, 2, 32, 16
+    k = torch.randn(b * 9, page, hkv, d, generator=gen)
+    v = torch.randn(b * 9, page, hkv, d, generator=gen)
+    tables = torch.arange(b * 9, dtype=torch.int32).view(b, 9)
+    q = torch.randn(b, hq, d, generator=gen)
+    ref = paged_decode_attention(q, k, v, tables, lens, 0.2, 144, window=window)
+    got = paged_decode_attention(q, k, v, tables, lens, 0.2, 144, window=window, batch_invariant=True)
+    torch.testing.assert_close(got, ref)
+    cu = torch.tensor([0, 1, 31, 71], dtype=torch.int32)
+    q = torch.randn(71, hq, d, generator=gen)
+    ref = paged_prefill_attention(q, k, v, cu, lens, tables, 40, 0.2, window=window)
+    got = paged_prefill_attention(q, k, v, cu, lens, tables, 40, 0.2, window=window, batch_invariant=True)
+    torch.testing.assert_close(got, ref)
+
+
 def test_what_the_mode_cannot_cover_is_refused():
     with pytest.raises(ValueError, match="batch_invariant runs on 1 or 2 ranks"):
         EngineConfig(model="m", batch_invariant=True, tensor_parallel_size=4)
@@ -158,26 +191,39 @@ def test_gpu_invariant_matmul_rows_do_not_depend_on_the_row_count(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_and_prefill_kernels_agree_in_the_mode():
-    # A preempted request's tokens are recomputed by the prefill kernel: in the mode it must give the decode
-    # kernel's bits for the same query and context.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq, hkv, d", [(16, 8, 128), (8, 4, 64)])
+def test_gpu_decode_and_prefill_kernels_agree_in_the_mode(dtype, hq, hkv, d):
+    # A preempted request's tokens are recomputed by the prefill kernel, a prompt's by chunks that start
+    # anywhere: in the mode each gives the decode kernel's bits for the same query and context.
     from nanostream.kernels.decode_attention import paged_decode_attention
     from nanostream.kernels.prefill_attention import paged_prefill_attention
-    from nanostream.layers.triton_attention import INVARIANT_PREFILL_TILE
 
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for dtype in (torch.bfloat16, torch.float32):
-        lens = torch.tensor([1, 17, 64, 65, 300, 2000], dtype=torch.int32, device="cuda")
-        b, hq, hkv, d, page = len(lens), 16, 8, 128, 16
-        blocks = -(-int(lens.max()) // page)
-        k = torch.randn(b * blocks, page, hkv, d, device="cuda", generator=gen, dtype=dtype)
-        v = torch.randn(b * blocks, page, hkv, d, device="cuda", generator=gen, dtype=dtype)
-        tables = torch.arange(b * blocks, dtype=torch.int32, device="cuda").view(b, blocks)
-        q = torch.randn(b, hq, d, device="cuda", generator=gen, dtype=dtype)
-        dec = paged_decode_attention(q, k, v, tables, lens, 0.088, 2048, num_splits=1)
-        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
-        pre = paged_prefill_attention(q, k, v, cu, lens, tables, 1, 0.088, config=INVARIANT_PREFILL_TILE)
-        assert torch.equal(dec, pre), (dtype, (dec.float() - pre.float()).abs().max())
+    lens = torch.tensor([1, 17, 63, 64, 65, 128, 300, 2000], dtype=torch.int32, device="cuda")
+    b, page = len(lens), 16
+    blocks = -(-int(lens.max()) // page)
+    k = torch.randn(b * blocks, page, hkv, d, device="cuda", generator=gen, dtype=dtype)
+    v = torch.randn(b * blocks, page, hkv, d, device="cuda", generator=gen, dtype=dtype)
+    tables = torch.arange(b * blocks, dtype=torch.int32, device="cuda").view(b, blocks)
+    for window in (None, 100):
+        # the last 40 queries of each context (fewer where it is shorter), as one chunk
+        q_lens = torch.clamp(lens, max=40)
+        cu = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
+        cu[1:] = torch.cumsum(q_lens, 0)
+        q = torch.randn(int(cu[-1]), hq, d, device="cuda", generator=gen, dtype=dtype)
+        chunk = paged_prefill_attention(q, k, v, cu, lens, tables, 40, 0.088, window=window, batch_invariant=True)
+        for back in (0, 1, 17, 39):  # the query `back` before each context's last: decoded, and in a chunk
+            keep = q_lens > back
+            rows = (cu[1:] - 1 - back)[keep]
+            ctx = (lens - back)[keep]
+            dec = paged_decode_attention(q[rows], k, v, tables[keep], ctx, 0.088, 2048, window=window,
+                                         batch_invariant=True)  # fmt: skip
+            one = torch.arange(len(rows) + 1, dtype=torch.int32, device="cuda")
+            pre = paged_prefill_attention(q[rows], k, v, one, ctx, tables[keep], 1, 0.088, window=window,
+                                          batch_invariant=True)  # fmt: skip
+            assert torch.equal(dec, pre), (window, back, (dec.float() - pre.float()).abs().max())
+            assert torch.equal(dec, chunk[rows]), (window, back, (dec.float() - chunk[rows].float()).abs().max())
 
 
 def gpu_prompts():
@@ -196,7 +242,9 @@ def test_gpu_same_tokens_and_logprobs_alone_and_in_any_batch(gpu_model, eager):
         num_kvcache_blocks=512, kvcache_block_size=16, max_model_len=4096,
     )  # fmt: skip
     for seeded in (False, True):
-        assert differing(llm, probes, others, seeded) == {1: 0, 7: 0, 64: 0}, seeded
+        details = []
+        counts = differing(llm, probes, others, seeded, details)
+        assert counts == {1: 0, 7: 0, 64: 0}, (seeded, details, llm.engine.stats())
 
 
 @pytest.mark.gpu

@@ -16,7 +16,6 @@ from nanostream.layers.attention_backend import (
 )
 
 FP8_MIN_ARCH = (8, 9)  # Triton converts float8 e4m3 (its fp8e4nv) on sm89 and newer
-INVARIANT_PREFILL_TILE = (16, 64, 4, 2)  # (BLOCK_M, BLOCK_N, num_warps, num_stages): the decode kernel's tile
 
 
 def triton_unavailable_reason(device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str | None:
@@ -53,11 +52,9 @@ class TritonAttention(AttentionBackend):
 
         self._store, self._decode, self._prefill = store_kv, paged_decode_attention, paged_prefill_attention
         self.prologue = qkv_prologue
-        # The batch-invariant mode: no split of a context (decode), one tile whatever the longest chunk
-        # (prefill), the two kernels' tiles alike (16 query rows, 64 keys, 4 warps): a row's logits and sums
-        # are those of its position and context alone.
-        self._decode_options = dict(num_splits=1) if batch_invariant else {}
-        self._prefill_options = dict(config=INVARIANT_PREFILL_TILE) if batch_invariant else {}
+        # The batch-invariant mode: both kernels compute a query's row from its position and context alone
+        # (no split by the batch, one tile, every tile masked), and the same bits for the same row.
+        self._decode_options = self._prefill_options = {"batch_invariant": True} if batch_invariant else {}
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
