@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, ".")
-from kernels._device import num_sms
-from kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
+from nanostream.kernels._device import num_sms
+from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
 from nanostream.layers.fp8_linear import _block_scaled_mm, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down

@@ -48,8 +48,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# nanostream.kernels lives in kernels/: without an install, expose it by a link inside the package.
-[ -e nanostream/kernels ] || ln -s ../kernels nanostream/kernels
 out=${OUT:-gpu-out}; mkdir -p "$out"
 # What an earlier call's killed run left behind (an engine, frontend workers, client processes) would
 # hold the GPU and the CPUs: a stage starts on a quiet machine.

@@ -22,8 +22,8 @@ from kernel_bench.harness import (
     DTYPE,
     HKV,
     HQ,
+    KERNELS,
     MAX_SETS,
-    ROOT,
     SCALE,
     TOL,
     D,
@@ -183,7 +183,7 @@ def load_kernel(module: str, name: str) -> Callable | Exception:
     """``nanostream.kernels.<module>.<name>``, or the exception that stopped it.
 
     Where ``nanostream`` itself cannot be imported (the GPU machine may lack the client's pyzmq and
-    msgspec), the module is loaded from this checkout's kernels/ as a package of its own.
+    msgspec), the module is loaded from this checkout's nanostream/kernels/ as a package of its own.
     """
     try:
         return getattr(importlib.import_module(f"nanostream.kernels.{module}"), name)
@@ -195,13 +195,13 @@ def load_kernel(module: str, name: str) -> Callable | Exception:
         pkg = "_nanostream_kernels_src"
         if pkg not in sys.modules:
             spec = importlib.util.spec_from_file_location(
-                pkg, ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+                pkg, KERNELS / "__init__.py", submodule_search_locations=[str(KERNELS)]
             )
             mod = importlib.util.module_from_spec(spec)
             sys.modules[pkg] = mod
             spec.loader.exec_module(mod)
         fn = getattr(importlib.import_module(f"{pkg}.{module}"), name)
-        print(f"   {module}: nanostream not importable ({short(first)}); loaded from kernels/{module}.py")
+        print(f"   {module}: nanostream not importable ({short(first)}); loaded from nanostream/kernels/{module}.py")
         return fn
     except Exception:
         return first

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from presets import QWEN3_0_6B, attention_shape
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (its kernels/ and nanostream/)
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+KERNELS = ROOT / "nanostream" / "kernels"  # loaded on its own where nanostream cannot be imported
 HQ, HKV, D = attention_shape(QWEN3_0_6B)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"

@@ -2,7 +2,7 @@
 same bits whatever else shares its step, so a request's tokens do not depend on the batch.
 
 - ``invariant_linear`` is the linear layers' and the LM head's GEMM in the mode (``LayerKernels.linear``):
-  on CUDA the fixed-tile Triton matmul (kernels/invariant_matmul.py); on the CPU ``F.linear`` over fixed
+  on CUDA the fixed-tile Triton matmul (nanostream/kernels/invariant_matmul.py); on the CPU ``F.linear`` over fixed
   chunks of ``CPU_ROWS`` rows, the last one padded, since the CPU BLAS picks its blocking by the row count
   (measured: float32 rows of ``F.linear`` change with M; at a fixed M they do not change with the other
   rows' values nor with the row's place).

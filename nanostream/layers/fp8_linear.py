@@ -7,7 +7,7 @@ per-tensor parts (q, k, v) holds each part's scale on its rows, so nothing is re
 
 ``fp8_linear`` is the layer's matmul. On CUDA the activations are quantized as they enter, per token and per
 group of ``bi`` columns (per token for a per-row layout), and multiplied by the FP8 GEMM: the Triton
-block-scaled kernel (kernels/fp8_gemm.py) for blocks, ``torch._scaled_mm`` for rows. Both run on the device
+block-scaled kernel (nanostream/kernels/fp8_gemm.py) for blocks, ``torch._scaled_mm`` for rows. Both run on the device
 alone, so CUDA graphs capture them. Elsewhere (the CPU reference, tests) the weight is dequantized in the
 call and the activations stay as they are: what a dequantized checkpoint computes.
 """

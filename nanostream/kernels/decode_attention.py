@@ -12,7 +12,7 @@ A sliding window is a runtime argument too: a sequence attends only [max(0, seq_
 and that range is what the splits share, so their count follows min(context bound, window) and a window
 of 128 tokens costs 128 tokens, whatever the context. Attention sinks (one logit per query head) start
 split 0's softmax, so the merge counts each sink once. An FP8 pool (float8 e4m3, with the layer's
-k_scale and v_scale) is read as kernels/attention_tile.py says; each split's output carries v_scale.
+k_scale and v_scale) is read as nanostream/kernels/attention_tile.py says; each split's output carries v_scale.
 """
 
 from __future__ import annotations

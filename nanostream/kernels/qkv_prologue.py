@@ -6,7 +6,7 @@ decode batch sizes each is a few microseconds of launch-bound work, and 28 layer
 decode step about a third of a millisecond on an H200.
 
 Into an FP8 pool the rotated k (rounded to the model's dtype first, as the unfused modules leave it) and
-v go as k / k_scale and v / v_scale, saturated at +-448 (kernels/store_kv.py).
+v go as k / k_scale and v / v_scale, saturated at +-448 (nanostream/kernels/store_kv.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ With a sliding window (a runtime argument: no variant per window) a query at p s
 a program reads from its first query's window start, masks the tiles before its last query's window
 start as well as the diagonal ones, and needs no mask in between. Attention sinks start each row's
 softmax from its head's sink logit. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is
-read as kernels/attention_tile.py says.
+read as nanostream/kernels/attention_tile.py says.
 """
 
 from __future__ import annotations

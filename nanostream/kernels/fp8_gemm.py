@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-# relative: apps load kernels/ as a package of its own where nanostream is not installed
+# relative: apps load nanostream/kernels/ as a package of its own where nanostream cannot be imported
 from ._device import num_sms
 
 FP8 = torch.float8_e4m3fn
