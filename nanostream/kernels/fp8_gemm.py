@@ -160,20 +160,21 @@ SUM_BLOCK = 512  # columns per program of the partials' sum
 def default_config(m: int, n: int, k: int, sms: int) -> Config:
     """The tile for ``m`` rows of an [``n``, ``k``] weight on a GPU of ``sms`` SMs (``num_sms(device)``).
 
-    Few tokens: narrow N tiles, and where those alone leave the SMs short of programs (fewer than 2 per SM) K
-    splits until ~3 per SM stream the weight, each split at least 4 steps of 128 columns. More tokens: wide
-    tiles, one split (the step is compute-bound). Pure Python, a few operations: it runs on every call.
+    Few tokens: tiles of 16 x 64, and where those alone leave the SMs short of programs (fewer than 2 per SM) K
+    splits until ~3 per SM stream the weight, each split at least 4 steps of 128 columns (the best of
+    ``apps/fp8_gemm_sweep.py --split-k`` at 1 and 4 tokens for each of Qwen3-8B's projections on an H200).
+    More tokens: wide tiles, one split (the step is compute-bound). Pure Python, a few operations: it
+    runs on every call.
 
-    >>> default_config(1, 4096, 12288, 132)  # Qwen3-8B's down_proj at decode on an H200: 128 tiles x 3 splits
-    Config(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=3)
+    >>> default_config(1, 4096, 12288, 132)  # Qwen3-8B's down_proj at decode on an H200: 64 tiles x 6 splits
+    Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=6)
     """
     if m <= FEW_TOKENS:
-        block_n = 32 if n <= 8192 else 64
-        tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
+        tiles = triton.cdiv(m, 16) * triton.cdiv(n, 64)
         splits = 1
         if tiles < 2 * sms:
             splits = max(1, min(round(PROGRAMS_PER_SM * sms / tiles), triton.cdiv(k, 128) // MIN_STEPS_PER_SPLIT))
-        return Config(16, block_n, 128, 4, 4, splits)
+        return Config(16, 64, 128, 4, 4, splits)
     if m <= 64:
         return Config(64, 64, 128, 4, 4)
     return Config(128, 128, 128, 8, 3)
