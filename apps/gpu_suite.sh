@@ -35,7 +35,8 @@
 #                                  #   the bench workload), one (the same at batch 1), agree (fp8_agreement.py)
 #   bash apps/gpu_suite.sh invariant PART # issue 34, one call per PART: tests (the gpu-marked batch-invariance
 #                                  #   tests, then bench.py without and with --batch-invariant), soak (apps/soak.py
-#                                  #   with --batch-invariant, bf16 then float32, 90 s and 3 kills each)
+#                                  #   with --batch-invariant, bf16 then float32, 90 s and 3 kills each;
+#                                  #   SOAK_DTYPES=float32 for one)
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
 # Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
@@ -371,7 +372,7 @@ invariant)
         done ;;
     soak)  # apps/soak.py with the mode, bf16 then float32: 90 s each, 3 kills, every stream against offline
         [ -d /tmp/qwen3-0.6b-random ] || timeout 120 "${bench[@]}" --backends triton --num-requests 1 >/dev/null 2>&1
-        for dtype in bfloat16 float32; do
+        for dtype in ${SOAK_DTYPES:-bfloat16 float32}; do
             echo "== soak $dtype"
             timeout 290 python3 apps/soak.py --model /tmp/qwen3-0.6b-random --device cuda --dtype "$dtype" \
                 --num-kvcache-blocks 1024 --clients 8 --streams 32 --requests 0 --seconds 90 --kills 3 \

@@ -103,6 +103,14 @@ def test_moe_same_tokens_alone_and_in_any_batch(flat_moe):
     assert differing(llm, probes, others, seeded=False) == {1: 0, 7: 0, 64: 0}
 
 
+def test_two_ranks_same_tokens_alone_and_in_any_batch(flat_model):
+    # Tensor parallelism (gloo): each rank's GEMMs are the mode's, and an all-reduce of two adds a + b.
+    probes = prompts(512, [1, 5, 17, 40, 8, 21, 55, 70], seed=1, shared=20)
+    others = prompts(512, [random.Random(i).randint(1, 300) for i in range(64)], seed=2)
+    with LLM(str(flat_model), batch_invariant=True, tensor_parallel_size=2, **ENGINE) as llm:
+        assert differing(llm, probes, others, seeded=True) == {1: 0, 7: 0, 64: 0}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype):
     gen = torch.Generator().manual_seed(0)
