@@ -8,11 +8,8 @@ Usage::
     python apps/bench.py --preset qwen3-30b-a3b                # Qwen3-30B-A3B's shape, load_format dummy (GPU)
     python apps/bench.py --model /models/Qwen3-0.6B --hf
 
-Workload (nano-vLLM's ``bench.py``): ``random.seed(seed)``; then, for each request, a prompt length in
-[min_input_len, max_input_len] and that many token ids in [0, min(10000, vocab - 1)] (``randint``, both
-ends included: 142,827 prompt and 133,966 output tokens at the defaults); then, for each
-request, max_tokens in [min_output_len, max_output_len]. Every request samples at temperature 0.6
-with ignore_eos, so it generates exactly max_tokens tokens.
+Workload: nano-vLLM's ``bench.py`` draws (apps/workload.py): 256 requests, seed 0, 142,827 prompt and
+133,966 output tokens at the defaults, temperature 0.6 with ignore_eos.
 
 What is timed:
 
@@ -34,33 +31,33 @@ memory profiling sees the whole device.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from presets import PRESETS, engine_defaults, random_model
+from presets import engine_defaults
+from step_stats import StepStats
 from tables import format_table
+from workload import (
+    PROMPT_VOCAB,
+    TEMPERATURE,
+    Request,
+    add_workload_args,
+    check_workload_args,
+    engine_options,
+    load_workload,
+    make_warmup,
+    model_dir,
+    params_of,
+    sync,
+)
 
 from nanostream import LLM, SamplingParams
 from nanostream.config import EngineConfig
 from nanostream.options import add_engine_args
-from nanostream.options import engine_kwargs as engine_args
-
-TEMPERATURE = 0.6
-PROMPT_VOCAB = 10000  # nano-vLLM draws prompt ids below this
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_token_ids: list[int]
-    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -90,52 +87,6 @@ class Result:
         )
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
-    """nano-vLLM's draws, in its order: all prompts first, then all max_tokens."""
-    random.seed(args.seed)
-    high = min(PROMPT_VOCAB, vocab_size - 1)  # inclusive, as nano-vLLM's randint(0, 10000)
-    prompts = [
-        [random.randint(0, high) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
-        for _ in range(args.num_requests)
-    ]
-    max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_requests)]
-    return [Request(p, m) for p, m in zip(prompts, max_tokens)]
-
-
-@contextlib.contextmanager
-def model_dir(args: argparse.Namespace) -> Iterator[Path]:
-    """``--model``, or a random model built into ``--build-dir`` (reused when built alike) or a temp dir."""
-    if args.model:
-        yield Path(args.model)
-        return
-    with random_model(args.preset, args.tiny_config, args.build_dir) as path:
-        yield path
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def environment(device: str) -> str:
-    import platform
-
-    import transformers
-
-    if device.startswith("cuda"):
-        where = torch.cuda.get_device_name(device)
-    else:
-        where = f"cpu, {torch.get_num_threads()} torch threads"
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    return f"python {platform.python_version()}, {versions}; {where}"
-
-
-def make_warmup(seed: int, vocab_size: int, n: int) -> list[Request]:
-    """Short requests of their own random ids, so warm-up leaves nothing in the prefix cache for the workload."""
-    rng = random.Random(seed + 1)
-    return [Request([rng.randrange(min(PROMPT_VOCAB, vocab_size)) for _ in range(32)], 8) for _ in range(n)]
-
-
 def run_nanostream(
     model: Path,
     workload: list[Request],
@@ -156,11 +107,7 @@ def run_nanostream(
         f"{cfg.kvcache_block_size} ({kv_dtype}), max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
         f"{cfg.max_num_batched_tokens}, attention {llm.engine.runner.backend.name}"
     )
-    llm.generate(
-        [r.prompt_token_ids for r in warmup],
-        [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in warmup],
-        use_tqdm=False,
-    )
+    llm.generate([r.prompt_token_ids for r in warmup], [params_of(r) for r in warmup], use_tqdm=False)
     if instrument is not None:
         instrument(llm)
     # What start-up and warm-up made lives for the whole run: keep the collector's full passes off it (one
@@ -168,7 +115,7 @@ def run_nanostream(
     gc.collect()
     gc.freeze()
     stats = StepStats(llm) if step_stats else None
-    params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens) for r in workload]
+    params = [params_of(r) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     sync(cfg.device)
     start = time.perf_counter()
@@ -287,160 +234,6 @@ def profile_steps(llm: LLM, workload: list[Request], out_dir: str, num_steps: in
         trace.unlink()
 
 
-class StepStats:
-    """Wall time of every engine step of the timed run, by kind: steps that compute prompt tokens, and
-    decode-only steps by batch size. With the pipelined step, a step's wall time is the longer of its
-    host work and the device's work on the step before it."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, decode tokens)
-        self.contexts: list[list[int]] = []  # per step: the tokens each running sequence holds (the KV it reads)
-        self.floor = StepFloor(llm) if llm.config.device.startswith("cuda") else None
-        step, running = llm.engine.step, llm.engine.scheduler.running
-
-        def timed_step():
-            start = time.perf_counter()
-            result = step()
-            self.steps.append((time.perf_counter() - start, result.num_prefill_tokens, result.num_decode_tokens))
-            self.contexts.append([seq.num_tokens for seq in running])
-            return result
-
-        llm.engine.step = timed_step
-        # Other causes of a slow step: the collector's pauses, and the CUDA allocator freeing its cache
-        # to retry an allocation (a device sync and cudaFree calls).
-        self.pauses: list[tuple[int, int, float]] = []  # (step, generation, seconds) of collections over 5 ms
-        self._gc_start = 0.0
-
-        def collected(phase: str, info: dict) -> None:
-            if phase == "start":
-                self._gc_start = time.perf_counter()
-            elif (seconds := time.perf_counter() - self._gc_start) > 5e-3:
-                self.pauses.append((len(self.steps), info["generation"], seconds))
-
-        self._gc_callback = collected
-        gc.callbacks.append(collected)
-        self._cuda = llm.config.device.startswith("cuda")
-        self._retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self._cuda else 0
-        # Triton kernels compiled inside the timed run (variants the warm-up did not reach), by step.
-        self.compiles: list[tuple[int, str]] = []
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-        self._knobs = knobs
-
-        def compiled(*, repr: str, **_: object) -> None:
-            self.compiles.append((len(self.steps), repr))
-
-        knobs.runtime.jit_post_compile_hook = compiled
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._gc_callback)
-        if self._cuda:
-            self._retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - self._retries
-        if hasattr(self, "_knobs"):
-            self._knobs.runtime.jit_post_compile_hook = None
-
-    @staticmethod
-    def group(prefill: int, decode: int) -> int:
-        """-1 for a step with prompt tokens, else its decode batch rounded down to a power of two."""
-        return -1 if prefill else 1 << max(0, decode.bit_length() - 1)
-
-    @staticmethod
-    def label(group: int) -> str:
-        return "with prefill" if group < 0 else f"decode {group}-{2 * group - 1}" if group > 1 else "decode 1"
-
-    def table(self, factor: float = 3.0, limit: int = 10) -> str:
-        """Steps by group, then the steps over ``factor`` times their group's median (first-use costs)."""
-        groups: dict[int, list[float]] = {}
-        for seconds, prefill, decode in self.steps:
-            groups.setdefault(self.group(prefill, decode), []).append(seconds)
-        medians = {g: sorted(times)[len(times) // 2] for g, times in groups.items()}
-        floors: dict[int, float] = {}  # s: the steps' floors, summed by group
-        if self.floor is not None:
-            for (_, prefill, decode), context in zip(self.steps, self.contexts):
-                g = self.group(prefill, decode)
-                floors[g] = floors.get(g, 0.0) + self.floor.seconds(prefill + decode, context)
-        total = sum(s for s, _, _ in self.steps)
-        rows = [("steps", "count", "total s", "share", "mean ms", "median ms", "floor s", "floor / time")]
-        for g in sorted(groups, key=lambda g: (g >= 0, -g)):  # prefill first, then falling batch size
-            times = groups[g]
-            floor = (f"{floors[g]:.2f}", f"{floors[g] / sum(times):.2f}") if g in floors else ("", "")
-            rows.append((self.label(g), str(len(times)), f"{sum(times):.2f}", f"{sum(times) / total:.0%}",
-                         f"{1e3 * sum(times) / len(times):.2f}", f"{1e3 * medians[g]:.2f}", *floor))  # fmt: skip
-        floor = (f"{sum(floors.values()):.2f}", f"{sum(floors.values()) / total:.2f}") if floors else ("", "")
-        rows.append(("all", str(len(self.steps)), f"{total:.2f}", "100%", "", "", *floor))
-        slow = [
-            f"  step {i}: {1e3 * seconds:.1f} ms ({prefill} prefill + {decode} decode tokens)"
-            for i, (seconds, prefill, decode) in enumerate(self.steps)
-            if seconds > factor * medians[self.group(prefill, decode)]
-        ]
-        if slow:
-            more = f" (the first {limit} of {len(slow)})" if len(slow) > limit else ""
-            slow = [f"steps over {factor:g}x their group's median{more}:", *slow[:limit]]
-        if self.pauses:
-            slow.append(f"collector pauses over 5 ms ({len(self.pauses)}):")
-            slow += [f"  step {i}: generation {g}, {1e3 * t:.1f} ms" for i, g, t in self.pauses[:limit]]
-        if self._cuda:
-            slow.append(f"CUDA allocator retries (cache freed to retry an allocation): {self._retries}")
-        compiles = [f"  step {i}: {what[:240]}" for i, what in self.compiles]
-        if compiles:
-            compiles.insert(0, f"Triton kernels compiled during the timed run ({len(compiles)}):")
-        notes = [self.floor.describe()] if self.floor is not None else []
-        return "\n".join([*format_table(rows), *notes, *slow, *compiles[: limit + 1]])
-
-
-class StepFloor:
-    """A step's floor: the time to read, once, at the device's measured copy bandwidth, the weights it
-    touches and the KV of its running sequences (of a sliding-window layer, at most the window of each).
-    Weights: all but an untied embedding (a step reads a
-    row of it per token), and of a mixture-of-experts layer only the experts its tokens can route to:
-    E (1 - (1 - K/E)^T) of E for T tokens, as if each picked K experts uniformly. A prefill step is also
-    bound by its arithmetic, which this does not count: its floor is the lowest."""
-
-    def __init__(self, llm: LLM) -> None:
-        from kernel_bench.ceilings import copy_ms
-
-        from nanostream.layers.moe import SparseMoE
-
-        runner = llm.engine.runner
-        model = runner.model
-        # (top_k, that layer's experts): their weights are read as far as tokens route to them
-        self.experts = [(m.gate.top_k, m.experts) for m in model.modules() if isinstance(m, SparseMoE)]
-        expert_params = {id(p) for _, m in self.experts for p in m.parameters()}
-        self.dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
-        embed = model.model.embed_tokens.weight
-        if embed is not model.lm_head.weight:
-            self.dense -= embed.numel() * embed.element_size()
-        self.kv_per_token = runner.kv_block_bytes / runner.block_size  # K and V of every layer
-        # a sliding layer reads at most its window of a sequence's context: (window, its share of the KV)
-        windows = [w for w in runner.spec.layer_windows if w is not None]
-        self.window_share = [(w, 1 / runner.spec.num_layers) for w in windows]
-        nbytes = 1 << 30
-        self.bandwidth = max(2 * nbytes / (copy_ms(nbytes) * 1e-3) for _ in range(2))  # bytes/s, read + written
-
-    def seconds(self, tokens: int, contexts: list[int]) -> float:
-        """``tokens`` of the step; ``contexts``: each running sequence's tokens."""
-        read = sum(contexts) * (1 - sum(share for _, share in self.window_share))
-        read += sum(share * min(c, w) for w, share in self.window_share for c in contexts)
-        nbytes = self.dense + read * self.kv_per_token
-        for k, m in self.experts:
-            e = m.w13.shape[0]
-            touched = e * (1 - (1 - k / e) ** tokens)
-            nbytes += touched / e * (m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size())
-        return nbytes / self.bandwidth
-
-    def describe(self) -> str:
-        experts = sum(
-            m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for _, m in self.experts
-        )
-        return (
-            f"floor: weights {self.dense / 1e9:.2f} GB dense + {experts / 1e9:.2f} GB of experts (the touched share), "
-            f"KV {self.kv_per_token / 1024:.0f} KiB a context token (a sliding layer's share within its window), "
-            f"at {self.bandwidth / 1e12:.2f} TB/s"
-        )
-
-
 def summary(results: list[Result]) -> str:
     rows = [("engine", "requests", "out tok", "time s", "out tok/s", "total tok/s")]
     rows += [(r.name, str(r.num_requests), str(r.output_tokens), f"{r.elapsed:.2f}", *r.rates()) for r in results]
@@ -450,83 +243,6 @@ def summary(results: list[Result]) -> str:
         for r in results[:-1]:
             lines.append(f"{r.name} / {baseline.name} output tok/s: {r.output_tps / baseline.output_tps:.2f}x")
     return "\n".join(lines)
-
-
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The workload's and the model's options (apps/bench_stream.py takes them too)."""
-    parser.add_argument("--seed", type=int, default=0, help="random.seed of the workload; also the engine's seed")
-    parser.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
-    parser.add_argument("--min-input-len", type=int, default=100, help="shortest prompt, in tokens")
-    parser.add_argument("--max-input-len", type=int, default=1024, help="longest prompt, in tokens")
-    parser.add_argument("--min-output-len", type=int, default=100, help="smallest max_tokens")
-    parser.add_argument("--max-output-len", type=int, default=1024, help="largest max_tokens")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads of every engine; None: torch's own")
-    model = parser.add_argument_group("model (default: the tiny random model, built into a temp dir)")
-    model.add_argument("--model", help="a Hugging Face model directory (or hub id) instead of a built one")
-    model.add_argument("--preset", choices=sorted(PRESETS), help="build a random-weight model of this shape")
-    model.add_argument(
-        "--tiny-config",
-        help='JSON of make_tiny_model overrides, over --preset: \'{"hidden_size": 256, "num_hidden_layers": 4}\'',
-    )
-    model.add_argument("--build-dir", help="build the model here and keep it; reused when built with the same settings")
-
-
-def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``parser.error`` on bad workload or model options; parses ``--tiny-config`` in place."""
-    for lo, hi in (("min_input_len", "max_input_len"), ("min_output_len", "max_output_len")):
-        if not 1 <= getattr(args, lo) <= getattr(args, hi):
-            parser.error(f"need 1 <= --{lo.replace('_', '-')} <= --{hi.replace('_', '-')}")
-    if args.num_requests < 1:
-        parser.error("--num-requests must be positive")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be positive")
-    try:
-        args.tiny_config = json.loads(args.tiny_config or "{}")
-    except json.JSONDecodeError as exc:
-        parser.error(f"--tiny-config is not valid JSON ({exc})")
-    if not isinstance(args.tiny_config, dict):
-        parser.error("--tiny-config must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
-    if args.model and (args.preset or args.tiny_config or args.build_dir):
-        parser.error("--model runs an existing model; --preset, --tiny-config and --build-dir build one: pick one")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line, less ``seed`` (``--seed`` is the workload's), over what
-    the preset needs (``load_format="dummy"`` for the shapes built without weights)."""
-    given = {k: v for k, v in engine_args(args).items() if k != "seed"}
-    return {**engine_defaults(getattr(args, "preset", None)), **given}
-
-
-def load_workload(
-    args: argparse.Namespace, model: Path, engine_kwargs: dict
-) -> tuple[Any, EngineConfig, list[Request]]:
-    """The model's HF config, the resolved engine config and the workload; prints what they are."""
-    from transformers import AutoConfig
-
-    from nanostream.models.architectures import text_config
-
-    hf_config = text_config(AutoConfig.from_pretrained(model))  # a multimodal checkpoint: its language model's
-    cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
-        max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
-    )
-    if args.max_input_len + args.max_output_len > cfg.max_model_len:
-        raise SystemExit(
-            f"--max-input-len + --max-output-len ({args.max_input_len + args.max_output_len}) exceeds "
-            f"max_model_len ({cfg.max_model_len}); lower them or raise --max-model-len"
-        )
-    workload = make_workload(args, hf_config.vocab_size)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
-    print(
-        f"workload: {len(workload)} requests, seed {args.seed}, {prompt_tokens} prompt tokens "
-        f"(len {args.min_input_len}-{args.max_input_len}), {sum(r.max_tokens for r in workload)} output tokens "
-        f"(len {args.min_output_len}-{args.max_output_len}), temperature {TEMPERATURE}, ignore_eos"
-    )
-    print(f"env: {environment(cfg.device)}")
-    print(
-        f"model: {model}, {hf_config.num_hidden_layers} layers, hidden {hf_config.hidden_size}, "
-        f"vocab {hf_config.vocab_size}"
-    )
-    return hf_config, cfg, workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

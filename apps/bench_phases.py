@@ -20,17 +20,17 @@ import time
 from dataclasses import dataclass
 
 import torch
-from bench import (
+from workload import (
     add_workload_args,
     check_workload_args,
     engine_options,
     load_workload,
     make_warmup,
     model_dir,
+    params_of,
+    round_workload,
     sync,
 )
-from bench_stream import round_workload
-from stream_clients import params_of
 
 from nanostream import LLM
 from nanostream.options import add_engine_args
@@ -166,7 +166,7 @@ def decode_floor(runner, workload) -> str:
     decode context (prompt + half the output), at the device's copy bandwidth (bytes read + written)."""
     if not torch.cuda.is_available():
         return "decode floor: needs CUDA (the copy bandwidth)"
-    from kernel_bench.ceilings import copy_ms
+    from kernel_bench.peaks import copy_bandwidth
 
     model = runner.model
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -175,8 +175,7 @@ def decode_floor(runner, workload) -> str:
         weights -= embed.numel() * embed.element_size()
     per_token = runner.kv_block_bytes / runner.block_size  # this rank's K and V of every layer
     kv = sum((len(r.prompt_token_ids) + r.max_tokens / 2) * per_token for r in workload)
-    nbytes = 1 << 30
-    bandwidth = max(2 * nbytes / (copy_ms(nbytes) * 1e-3) for _ in range(2))  # bytes/s, read + written
+    bandwidth = copy_bandwidth()  # bytes/s, read + written
     return (
         f"decode floor at batch {len(workload)}: {1e3 * (weights + kv) / bandwidth:.2f} ms/step (weights "
         f"{weights / 1e9:.2f} GB + KV {kv / 1e9:.2f} GB a step, copy {bandwidth / 1e12:.2f} TB/s)"

@@ -38,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench import PRESETS, PROMPT_VOCAB, Request, engine_options, model_dir
-from bench_stream import openai_frontend
 from engine_readings import percentiles
-from stream_clients import Target, http_session, stream_client, stream_http
+from presets import PRESETS
+from stream_clients import Target, http_session, openai_frontend, stream_client, stream_http
+from workload import PROMPT_VOCAB, Request, engine_options, model_dir
 
 from nanostream import AsyncClient
 from nanostream.client.launch import EngineProcess

@@ -1,4 +1,4 @@
-"""Streaming throughput and latency: apps/bench.py's workload through client processes against one
+"""Streaming throughput and latency: the bench workload (apps/workload.py) through client processes against one
 engine process, in several rounds and shapes, against the offline ``LLM`` on the same workload.
 
 Usage::
@@ -23,7 +23,7 @@ What runs, in this order (the two never share the machine):
    events (read with aiohttp, as ``vllm bench serve`` reads them, where it is installed; else with
    httpx). ``--http-only`` skips the AsyncClient rounds (not the offline runs: the ratios need them).
 
-Every run and round has a workload of its own: apps/bench.py's lengths with fresh prompt ids (the
+Every run and round has a workload of its own: the bench workload's lengths with fresh prompt ids (the
 first offline run: exactly apps/bench.py's), so that the prefix cache helps none of them.
 
 Per round: output tok/s and streamed ÷ offline (the median of the offline runs), TTFT p50 (request
@@ -50,20 +50,19 @@ import gc
 import multiprocessing as mp
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-from bench import (
-    PROMPT_VOCAB,
+from engine_readings import EngineRun, Reading, machine_jiffies, percentiles, process_cpu, process_tree
+from stream_clients import STARTUP_TIMEOUT, Target, Trace, client_process, free_port, openai_frontend, wait_healthy
+from tables import format_table
+from workload import (
     Request,
     add_workload_args,
     check_workload_args,
@@ -71,11 +70,10 @@ from bench import (
     load_workload,
     make_warmup,
     model_dir,
+    params_of,
+    round_workload,
     sync,
 )
-from engine_readings import EngineRun, Reading, machine_jiffies, percentiles, process_cpu, process_tree
-from stream_clients import STARTUP_TIMEOUT, Target, Trace, client_process, params_of
-from tables import format_table
 
 from nanostream import LLM, AsyncClient
 from nanostream.client.launch import READY, EngineProcess
@@ -87,14 +85,6 @@ WARMUP_REQUESTS = 16  # apps/bench.py's warm-up at its default --hf-batch-size
 THROUGHPUT_TARGET = 0.98  # streamed output tok/s ≥ 0.98 × offline through AsyncClient
 HTTP_TARGET = 0.9  # through the OpenAI frontend
 DELIVERY_TARGET = 1e-3  # s, p50
-
-
-def round_workload(workload: list[Request], seed: int, index: int, vocab_size: int) -> list[Request]:
-    """Round ``index``'s requests: the lengths of ``workload``, fresh ids (round 0: ``workload`` itself)."""
-    if index == 0:
-        return workload
-    rng, high = random.Random(f"bench_stream round {seed} {index}"), min(PROMPT_VOCAB, vocab_size)
-    return [Request([rng.randrange(high) for _ in r.prompt_token_ids], r.max_tokens) for r in workload]
 
 
 # ---- 1. offline ----------------------------------------------------------------------------------
@@ -357,35 +347,6 @@ def run_connections(args, fresh, warmup, engine, target: Target, fpids, workers:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def openai_frontend(address: str, workers: int):
-    """``nanostream frontend openai --workers W`` on the engine; yields (base URL, its pids)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanostream", "frontend", "openai", "--engine", address, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--workers", str(workers)])
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the OpenAI frontend did not come up ({cmd})") from None
-                time.sleep(0.5)
-        yield base, lambda: process_tree(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
 @dataclass
 class ServiceEngine:
     """The engine of a ``nanostream serve --openai-port`` service, as run_shape reads an EngineProcess."""
@@ -420,15 +381,7 @@ def openai_service(model: Path, args, engine_kwargs: dict):
         if address is None or workers is None:
             raise RuntimeError(f"the service did not start ({' '.join(cmd)})")
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep its pipe drained
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the service's OpenAI API did not come up") from None
-                time.sleep(0.5)
+        wait_healthy(base, proc, "the service's OpenAI API did not come up")
         kids = process_tree(proc.pid)[1:]
         engine_pid = next(p for p in kids if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes())
         frontend = next(p for p in kids if b"frontend" in Path(f"/proc/{p}/cmdline").read_bytes())

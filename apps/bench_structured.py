@@ -22,8 +22,8 @@ import gc
 import time
 
 import torch
-from bench import add_workload_args, check_workload_args, engine_options, load_workload, model_dir, sync
 from tables import format_table
+from workload import add_workload_args, check_workload_args, engine_options, load_workload, model_dir, sync
 
 from nanostream import LLM, SamplingParams
 from nanostream.options import add_engine_args

@@ -14,6 +14,7 @@ kernel sections can read the attention shape on a machine where nanostream does 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import tempfile
 import time
@@ -28,47 +29,59 @@ MIXTRAL_8X7B = "mixtral-8x7b"
 GEMMA3_4B = "gemma-3-4b"
 GPT_OSS_20B = "gpt-oss-20b"
 
-# make_tiny_model overrides for a random-weight model with Qwen3-0.6B's shape. init_std is a real
-# model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
+# make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
+# preset has unless it says otherwise) and each model's departures from it.
+BASE: dict = dict(
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+# The large shapes are built in bfloat16 (never whole in float32); those too large for a file are written
+# as config.json and a tokenizer alone and run with load_format="dummy" (engine_defaults).
+BF16 = dict(weights_dtype="bfloat16")
+DUMMY = dict(weights_dtype="bfloat16", weights=False)
+
+
+def preset(*parts: dict, **overrides) -> dict:
+    """BASE, then each of ``parts``, then ``overrides``: later keys win."""
+    out = copy.deepcopy(BASE)
+    for part in (*parts, overrides):
+        out.update(copy.deepcopy(part))
+    return out
+
+
 PRESETS: dict[str, dict] = {
-    QWEN3_0_6B: dict(
+    # init_std is a real model's: the tiny default (0.15) over 28 layers lets activations grow into bf16 overflow.
+    QWEN3_0_6B: preset(
         hidden_size=1024,
         num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
-        head_dim=128,
         intermediate_size=3072,
-        vocab_size=151936,
         tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         init_std=0.02,
     ),
-    # Issue 17's larger shape (two GPUs): built and saved in bfloat16 (16 GB, never 32 in float32).
-    QWEN3_8B: dict(
+    # Issue 17's larger shape (two GPUs): 16 GB in bfloat16.
+    QWEN3_8B: preset(
+        BF16,
         hidden_size=4096,
         num_hidden_layers=36,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=128,
         intermediate_size=12288,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         init_std=0.02,
-        weights_dtype="bfloat16",
     ),
     # Qwen3-30B-A3B's config.json: 128 experts of 768, 8 per token (renormalised), every layer MoE.
-    QWEN3_30B_A3B: dict(
+    QWEN3_30B_A3B: preset(
+        DUMMY,
         architecture="Qwen3MoeForCausalLM",
         hidden_size=2048,
         num_hidden_layers=48,
         num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
         intermediate_size=6144,
         moe_intermediate_size=768,
         num_experts=128,
@@ -76,37 +89,27 @@ PRESETS: dict[str, dict] = {
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        vocab_size=151936,
-        tie_word_embeddings=False,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        weights_dtype="bfloat16",
-        weights=False,
     ),
     # Mixtral-8x7B-v0.1's config.json: 8 experts of 14336, 2 per token.
-    MIXTRAL_8X7B: dict(
+    MIXTRAL_8X7B: preset(
+        DUMMY,
         architecture="MixtralForCausalLM",
         hidden_size=4096,
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        head_dim=128,
         intermediate_size=14336,
         num_local_experts=8,
         num_experts_per_tok=2,
         vocab_size=32000,
-        tie_word_embeddings=False,
         max_position_embeddings=32768,
         rms_norm_eps=1e-5,
         sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        weights_dtype="bfloat16",
-        weights=False,
     ),
     # google/gemma-3-4b-it's text_config: five sliding layers (1,024 tokens, base 10k) to one full (base 1M,
     # linear scaling 8), head_dim 256.
-    GEMMA3_4B: dict(
+    GEMMA3_4B: preset(
+        DUMMY,
         architecture="Gemma3ForCausalLM",
         hidden_size=2560,
         num_hidden_layers=34,
@@ -121,17 +124,15 @@ PRESETS: dict[str, dict] = {
         final_logit_softcapping=None,
         tie_word_embeddings=True,
         max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
-        weights_dtype="bfloat16",
-        weights=False,
     ),
     # openai/gpt-oss-20b's config.json (its bf16 form): 32 experts of 2,880, 4 per token; sliding (128 tokens)
     # and full layers alternating, attention sinks, YaRN (factor 32 over 4,096).
-    GPT_OSS_20B: dict(
+    GPT_OSS_20B: preset(
+        DUMMY,
         architecture="GptOssForCausalLM",
         hidden_size=2880,
         num_hidden_layers=24,
@@ -145,7 +146,6 @@ PRESETS: dict[str, dict] = {
         vocab_size=201088,
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 12,
-        tie_word_embeddings=False,
         max_position_embeddings=131072,
         rms_norm_eps=1e-5,
         rope_parameters={
@@ -157,17 +157,16 @@ PRESETS: dict[str, dict] = {
             "original_max_position_embeddings": 4096,
             "rope_theta": 150000.0,
         },
-        weights_dtype="bfloat16",
-        weights=False,
     ),
 }
 # Qwen/Qwen3-8B-FP8's quantization_config over the 8B shape: block-wise FP8 (128 x 128, dynamic activations),
 # dummy FP8 weights with their scales made on the device. Its bf16 twin on the same random values:
 # --preset qwen3-8b --tiny-config '{"weights": false}' --load-format dummy.
-PRESETS[QWEN3_8B_FP8] = PRESETS[QWEN3_8B] | dict(
+PRESETS[QWEN3_8B_FP8] = preset(
+    PRESETS[QWEN3_8B],
+    DUMMY,
     quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                          "weight_block_size": [128, 128]},
-    weights=False,
 )  # fmt: skip
 
 

@@ -3,29 +3,32 @@ chunk arrived, through ``AsyncClient`` or through the OpenAI frontend's server-s
 
 A client process runs rounds: before each it waits at a barrier twice (all processes idle, so the
 parent can read the engine's counters; then the start), runs its streams, and reports that round's
-traces, its own CPU seconds and its garbage collector's full passes on a queue.
+traces, its own CPU seconds and its garbage collector's full passes on a queue. ``openai_frontend``
+starts the frontend that the HTTP streams go through.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import gc
 import json
+import socket
+import subprocess
+import sys
 import time
 import traceback
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import TEMPERATURE, Request
+from engine_readings import process_tree
+from workload import TEMPERATURE, Request, params_of
 
-from nanostream import AsyncClient, SamplingParams
+from nanostream import AsyncClient
 
 STARTUP_TIMEOUT = 600.0  # s for the client processes to connect and warm up
-
-
-def params_of(r: Request) -> SamplingParams:
-    return SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=r.max_tokens)
 
 
 @dataclass
@@ -226,3 +229,40 @@ def client_process(
     except BaseException:
         barrier.abort()  # nobody waits forever for a process that is gone
         results.put((index, -1, traceback.format_exc(), 0.0, []))
+
+
+# ---- the OpenAI frontend the HTTP streams go through ------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, failure: str, timeout: float = 180) -> None:
+    """Until ``base``/health answers; ``RuntimeError(failure)`` if ``proc`` exits or ``timeout`` s pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(failure) from None
+            time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def openai_frontend(address: str, workers: int):
+    """``nanostream frontend openai --workers W`` on the engine; yields (base URL, its pids)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanostream", "frontend", "openai", "--engine", address, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--workers", str(workers)])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, f"the OpenAI frontend did not come up ({cmd})")
+        yield base, lambda: process_tree(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)

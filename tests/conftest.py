@@ -1,5 +1,8 @@
+import importlib.util
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +66,30 @@ def qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session", params=["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
 def model_dir(request, qwen3_dir, qwen2_dir):
     return qwen3_dir if request.param == "Qwen3ForCausalLM" else qwen2_dir
+
+
+APPS = Path(__file__).resolve().parents[1] / "apps"
+
+
+@pytest.fixture(scope="module")
+def load_app():
+    """``load_app("soak")``: apps/soak.py as a module, importing its sibling modules as the program does
+    (apps/ first on ``sys.path``); after the test module, the path and every module loaded from apps/ go."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(APPS))
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, APPS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    sys.path.remove(str(APPS))
+    for name in set(sys.modules) - before:
+        if str(APPS) in (getattr(sys.modules[name], "__file__", None) or ""):
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,7 @@ computed in float32 on the same bf16 inputs is at most 1e-2, the bound the torch
 is held to as well. In float32 (IEEE dot products, no TF32) the two agree to 1e-5 (rtol and atol).
 """
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -120,11 +118,9 @@ def test_the_torch_moe_path_runs_in_the_prefill_graphs_in_bfloat16(moe_dir):
     assert len(out[0].token_ids) == 8
 
 
-def test_the_qwen3_30b_a3b_preset_runs_on_dummy_weights_with_finite_bfloat16_logits(tmp_path):
+def test_the_qwen3_30b_a3b_preset_runs_on_dummy_weights_with_finite_bfloat16_logits(tmp_path, load_app):
     # apps/presets.py's shape, every layer (61 GB of bf16 weights made on the device), through the engine.
-    spec = importlib.util.spec_from_file_location("presets", Path(__file__).parents[1] / "apps" / "presets.py")
-    presets = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(presets)
+    presets = load_app("presets")
     path = make_tiny_model(tmp_path, **presets.PRESETS[presets.QWEN3_30B_A3B])
     llm = LLM(str(path), dtype="bfloat16", max_model_len=2048, max_num_seqs=8, enforce_eager=True,
               **presets.engine_defaults(presets.QWEN3_30B_A3B))  # fmt: skip

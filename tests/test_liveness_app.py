@@ -7,8 +7,6 @@ engine hangs or dies; after a stop, both sides recover and a new request runs.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,13 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "apps" / "liveness.py"
 
 
 @pytest.fixture(scope="module")
-def liveness():
-    spec = importlib.util.spec_from_file_location("liveness", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def liveness(load_app):
+    return load_app("liveness")
 
 
 def test_every_side_notices_a_vanished_peer_within_its_bound(liveness, qwen3_dir):

@@ -8,8 +8,6 @@ its memory and file descriptors do not grow.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
@@ -21,13 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "apps" / "soak.py"
 
 
 @pytest.fixture(scope="module")
-def soak():
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def soak(load_app):
+    return load_app("soak")
 
 
 @pytest.fixture(scope="module")

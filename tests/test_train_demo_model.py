@@ -1,10 +1,8 @@
 """apps/train_demo_model.py end to end on CPU: a tiny model trained for a few steps loads in nanostream
 and in transformers, decodes the same greedy tokens in both, and stays within the checkpoint bound."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,13 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def script(load_app):
+    return load_app("train_demo_model")
+
+
+@pytest.fixture(scope="module")
+def corpus(load_app):
+    return load_app("demo_corpus")
 
 
 def synthetic_corpus() -> str:
@@ -129,21 +127,21 @@ def test_tokenizer_round_trips_and_has_the_chat_template(trained):
     assert tok.eos_token == "<|endoftext|>" and len(tok) == 400
 
 
-def test_tokenizer_training_is_deterministic(script):
+def test_tokenizer_training_is_deterministic(corpus):
     docs = synthetic_corpus().split("\n\n")
-    first, second = (script.train_tokenizer(docs, 350) for _ in range(2))
+    first, second = (corpus.train_tokenizer(docs, 350) for _ in range(2))
     assert first.get_vocab() == second.get_vocab()
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
 
 
-def test_corpus_normalization(script):
+def test_corpus_normalization(corpus):
     mojibake = "\u00c3\u00a2\u00c2\u0080\u00c2\u0099"  # U+2019 encoded in UTF-8, read as Latin-1 twice
     fortunes = f"Calm down, it's *____\b\b\b\bonly* ones.\n\t\t-- Anon\n%\nHere{mojibake}s B\bBOLD\n\n%\n"
-    assert script.fortune_entries(fortunes) == ["Calm down, it's *only* ones.\n-- Anon", "Here's BOLD"]
+    assert corpus.fortune_entries(fortunes) == ["Calm down, it's *only* ones.\n-- Anon", "Here's BOLD"]
     abbrevs = ["Ge", "Exo", "1Sm"] + [f"X{chr(65 + i // 26)}{chr(65 + i % 26)}" for i in range(63)]
     dump = "\n".join(f"{a}1:{v} Verse {v} of {a}." for a in abbrevs for v in (1, 2)) + "\n"
-    docs = script.kjv_documents(dump)
+    docs = corpus.kjv_documents(dump)
     assert docs[0] == "Genesis 1\nVerse 1 of Ge.\nVerse 2 of Ge." and docs[2].startswith("Leviticus 1\nVerse 1 of 1Sm.")
     assert len(docs) == 66 and docs[-1].startswith("Revelation 1\n")
     with pytest.raises(ValueError, match="66"):
-        script.kjv_documents(dump.split("Exo1:1")[0])
+        corpus.kjv_documents(dump.split("Exo1:1")[0])

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from presets import QWEN3_0_6B, random_model
 
-from kernel_bench.ceilings import measure_ceilings
 from kernel_bench.harness import ContextLost, Unavailable, check_alive_after, free_cuda, l2_bytes, short
+from kernel_bench.peaks import measure_ceilings
 
 MAX_RESPAWNS = 4
 
