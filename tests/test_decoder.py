@@ -252,7 +252,7 @@ def test_a_model_built_in_bfloat16_has_the_float32_builds_weights_rounded(tmp_pa
 
 
 def test_olmo2_is_not_split_over_ranks():
-    from nanostream.distributed.sharding import check_split
+    from nanostream.models.sharding import check_split
 
     with pytest.raises(ValueError, match="QK-norms span every head.*divides the model: 1$"):
         check_split(spec_of(Olmo2Config, "Olmo2ForCausalLM"), 2)

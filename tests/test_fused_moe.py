@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from nanostream.kernels import fused_moe as fused_moe_module
+from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.kernels.fused_moe import TILES, MoETile, align_by_expert, fused_moe, tile_for
-from nanostream.layers.moe import ClampedSwiGLU, moe_experts
+from nanostream.layers.moe import moe_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

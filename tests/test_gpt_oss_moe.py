@@ -21,9 +21,10 @@ from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.kernels.fused_moe import fused_moe
 from nanostream.layers.activation import SiluAndMul, silu_and_mul
-from nanostream.layers.moe import ClampedSwiGLU, MoEFn, MoESpec, SparseMoE, moe_experts
+from nanostream.layers.moe import MoEFn, MoESpec, SparseMoE, moe_experts
 from nanostream.models.loader import load_dummy_weights, load_weights
 
 CONFIG = dict(

@@ -29,7 +29,7 @@ from transformers import AutoConfig
 
 from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
 from nanostream.client.launch import READY
-from nanostream.distributed import SINGLE, TensorParallel, check_split, shard_decoder
+from nanostream.distributed import SINGLE, TensorParallel
 from nanostream.distributed.group import FRAME_BYTES
 from nanostream.distributed.rendezvous import host_locally
 from nanostream.engine.block_manager import BlockManager
@@ -44,6 +44,7 @@ from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.moe import MoESpec
 from nanostream.models import decoder_spec, load_model
+from nanostream.models.sharding import check_split, shard_decoder
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 CPU = torch.device("cpu")

@@ -23,7 +23,8 @@ import torch
 from nanostream.config import EngineConfig
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import ModelLoadError
-from nanostream.layers.attention_backend import FP8_KV_DTYPE, KVCache
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
+from nanostream.layers.attention_backend import KVCache
 from nanostream.models import DecoderSpec
 from nanostream.sampling_params import SamplingParams
 

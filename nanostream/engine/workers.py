@@ -39,13 +39,13 @@ from nanostream.distributed.rendezvous import (
     rank_device,
     with_multicast_off,
 )
-from nanostream.distributed.sharding import check_split
 from nanostream.engine.control import Setup, StepWriter, Stop, encode
 from nanostream.engine.kv_pool import kv_dtype
 from nanostream.engine.step_inputs import Chunk
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.layers.backends import get_backend
-from nanostream.models.decoder import DecoderSpec
+from nanostream.models.sharding import check_split
+from nanostream.models.spec import DecoderSpec
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.layers.batch_invariant import ordered_topk_sum
-from nanostream.layers.moe import Activation, ClampedSwiGLU
+from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU, ordered_topk_sum
 
 
 @dataclass(frozen=True)

@@ -29,35 +29,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU, ordered_topk_sum
 from nanostream.layers.activation import SiluAndMul
-from nanostream.layers.batch_invariant import ordered_topk_sum
 from nanostream.layers.linear import Gemm, MergedColumnLinear, RowParallelLinear, TensorSlice
-
-
-@dataclass(frozen=True)
-class ClampedSwiGLU:
-    """gpt-oss's experts' activation (``swiglu_alpha``, ``swiglu_limit``): gate clamped from above at ``limit``,
-    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
-
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        # transformers' GptOssExperts' operations in its order: float32 results equal to the bit.
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
-Activation = Literal["silu"] | ClampedSwiGLU
-"""The experts' activation of their gate and up projections: ``"silu"`` (silu(gate) * up) or a ``ClampedSwiGLU``."""
 
 
 class MoEFn(Protocol):
@@ -344,7 +325,7 @@ class SparseMoE(nn.Module):
     """Router, routed experts, Qwen2-MoE's gated shared expert; one all-reduce with tensor parallelism.
 
     ``expert_rows`` / ``shared_rows``: this rank's rows of the experts' and of the shared expert's
-    intermediate dimension (distributed/sharding.py)."""
+    intermediate dimension (models/sharding.py)."""
 
     def __init__(
         self,

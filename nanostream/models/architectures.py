@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanostream.errors import ModelLoadError
+from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.layers.activation import ACTIVATIONS
-from nanostream.layers.moe import ClampedSwiGLU, MoESpec
+from nanostream.layers.moe import MoESpec
 from nanostream.layers.rotary import RopeSpec, rope_spec
-from nanostream.models.decoder import DecoderSpec, LayerNorms
 from nanostream.models.quantization import fp8_spec
+from nanostream.models.spec import DecoderSpec, LayerNorms
 
 LLAMA_NORMS = LayerNorms()
 GEMMA_NORMS = LayerNorms(

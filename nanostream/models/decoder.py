@@ -1,5 +1,5 @@
 """The decoder shared by every supported architecture: the Llama-style stack of attention and MLP layers,
-with what a family does differently (models/architectures.py) as fields of ``DecoderSpec``.
+with what a family does differently (models/architectures.py) as fields of ``DecoderSpec`` (models/spec.py).
 
 A ``DecoderLayer`` owns its forward in two steps around its attention call, ``attn_in`` (the norms before
 attention, the qkv projection) and ``attn_out`` (the output projection, the norms and residual adds around
@@ -15,89 +15,28 @@ the Hugging Face checkpoints; where a module sits elsewhere here (the fused ``qk
 ``checkpoint_modules`` and the ``checkpoint_*`` maps below say where its tensors go.
 
 With tensor parallelism (``tp``, distributed/group.py) every module is built for this rank's shard
-(distributed/sharding.py): q/k/v and gate/up column-parallel (whole heads per rank), o_proj and down_proj
+(models/sharding.py): q/k/v and gate/up column-parallel (whole heads per rank), o_proj and down_proj
 row-parallel (one all-reduce each), the embedding and LM head split by vocabulary. At one rank the layers
 are the plain ones: no collective, no extra copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.distributed.sharding import DecoderShard, shard_decoder
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
 from nanostream.layers.fp8_linear import FP8
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
-from nanostream.layers.moe import MoESpec, SparseMoE
+from nanostream.layers.moe import SparseMoE
 from nanostream.layers.norm import RMSNorm
-from nanostream.layers.rotary import RopeSpec, RotaryEmbedding, permute_heads
+from nanostream.layers.rotary import RotaryEmbedding, permute_heads
 from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
-from nanostream.models.quantization import Fp8Spec
-
-
-@dataclass(frozen=True)
-class LayerNorms:
-    """A layer's norms by where they sit, each its checkpoint name; None: the family has none there.
-
-    ``attn_in`` before attention, ``attn_out`` on the attention's output before the residual add,
-    ``mlp_in`` before the MLP, ``mlp_out`` on the MLP's output (Llama: the first and third)."""
-
-    attn_in: str | None = "input_layernorm"
-    attn_out: str | None = None
-    mlp_in: str | None = "post_attention_layernorm"
-    mlp_out: str | None = None
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    """The shape of a decoder, read from a Hugging Face config (models/architectures.py)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeSpec  # the (full-attention) layers' rotary embedding
-    max_position: int
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    mlp_bias: bool = False
-    moe: MoESpec | None = None  # the mixture-of-experts layers; None: every MLP is dense
-    norms: LayerNorms = LayerNorms()
-    norm_weight_offset: float | None = None
-    """How every norm rounds (layers/norm.py): None as Llama; 0.0 (OLMo 2, gpt-oss) or 1.0 (Gemma)."""
-    qk_norm_whole: bool = False  # OLMo 2: the QK-norms span the whole q and k projections, not each head
-    activation: str = "silu"  # the MLP's gated activation (layers/activation.py)
-    embedding_multiplier: float | None = None  # Granite: the embeddings times this
-    scale_embeddings: bool = False  # Gemma: the embeddings times sqrt(hidden_size), rounded to the dtype
-    residual_multiplier: float | None = None  # Granite: each block's output times this before its add
-    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
-    logits_divisor: float | None = None  # Granite's logits_scaling: the logits divided by it
-    final_logit_softcap: float | None = None  # Gemma: cap * tanh(logits / cap)
-    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax (``sinks``)
-    layer_windows: tuple[int | None, ...] = ()
-    """Each layer's sliding window (None: full attention); empty: every layer full."""
-    sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
-    rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
-    quantization: Fp8Spec | None = None
-    """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
-    checkpoint_prefix: str = ""
-    """Where a multimodal checkpoint keeps this decoder's tensors (``language_model.``); the rest is not loaded."""
-
-    def window(self, layer: int) -> int | None:
-        return self.layer_windows[layer] if self.layer_windows else None
+from nanostream.models.sharding import DecoderShard, shard_decoder
+from nanostream.models.spec import DecoderSpec
 
 
 def _head_rows(heads: range, head_dim: int) -> range:
