@@ -43,7 +43,7 @@ from nanostream.engine.workers import PARENT_VARIABLE, worker_environment
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.layers.moe import MoESpec
+from nanostream.layers.moe_spec import MoESpec
 from nanostream.models import decoder_spec, load_model
 from nanostream.models.sharding import check_split, shard_decoder
 from nanostream.testing import TINY_PRESETS, make_tiny_model

@@ -1,5 +1,5 @@
 """What the routed experts compute besides their GEMMs, shared by the fused kernel (kernels/fused_moe.py) and
-the torch reference (layers/moe.py): the experts' activation (``"silu"`` or gpt-oss's ``ClampedSwiGLU``) and,
+the torch reference (layers/moe_reference.py): the experts' activation (``"silu"`` or gpt-oss's ``ClampedSwiGLU``) and,
 in the batch-invariant mode, each token's top-k outputs added in order. Torch only (no Triton).
 """
 

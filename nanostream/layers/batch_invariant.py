@@ -48,6 +48,6 @@ def invariant_moe(on_gpu_kernels: bool):
         from nanostream.kernels.fused_moe import fused_moe
 
         return functools.partial(fused_moe, invariant=True)
-    from nanostream.layers.moe import moe_experts
+    from nanostream.layers.moe_reference import moe_experts
 
     return functools.partial(moe_experts, linear=invariant_linear)

@@ -1,5 +1,6 @@
-"""Models: the shared decoder (decoder.py) and its shape (spec.py), the architectures it runs (architectures.py),
-how it splits over tensor-parallel ranks (sharding.py), loading weights (loader.py, quantization.py).
+"""Models: the shared decoder (decoder.py, its layers in decoder_layer.py) and its shape (spec.py), the
+architectures it runs (architectures.py), reading a config.json into a spec (config_reader.py), how the decoder
+splits over tensor-parallel ranks (sharding.py), loading weights (loader.py, quantization.py).
 May import layers/, distributed/ and nanostream's errors; the engine imports this, never the reverse.
 
 ``load_model`` builds the decoder for a config.json and fills it from the checkpoint::
@@ -18,7 +19,8 @@ import torch
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.fp8_linear import fp8_gemm_available
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, decoder_spec
+from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from nanostream.models.config_reader import decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM
 from nanostream.models.loader import load_dummy_weights, load_weights
 from nanostream.models.quantization import keep_fp8_weights

@@ -1,4 +1,4 @@
-"""``DecoderSpec``: the shape of the one decoder, read from a Hugging Face config (models/architectures.py), and
+"""``DecoderSpec``: the shape of the one decoder, read from a Hugging Face config (models/config_reader.py), and
 ``LayerNorms``, where a family's norms sit in a layer. Plain values: the decoder (models/decoder.py), its sharding
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanostream.layers.moe import MoESpec
+from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.quantization import Fp8Spec
 
@@ -27,7 +27,7 @@ class LayerNorms:
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """The shape of a decoder, read from a Hugging Face config (models/architectures.py)."""
+    """The shape of a decoder, read from a Hugging Face config (models/config_reader.py)."""
 
     architecture: str
     vocab_size: int
