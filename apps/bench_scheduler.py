@@ -21,7 +21,7 @@ from nanostream.engine.requests import RequestBook, _Pending
 from nanostream.engine.sampling_batch import make_sampling_batch
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import new_step, pack_step
+from nanostream.engine.step_inputs import Uploads, pack_step
 from nanostream.sampling_params import SamplingParams
 
 
@@ -52,15 +52,16 @@ def main() -> None:
         step()
     scheduling = (time.perf_counter() - start) / args.steps
     chunks, cpu = scheduler.schedule(), torch.device("cpu")  # decode rows whose tokens are known
+    uploads = Uploads(cpu)  # a runner's upload memory
     start = time.perf_counter()
     for _ in range(args.steps):
-        new_step(cpu)
-        pack_step(chunks, bs, cpu)
+        uploads.new_step()
+        pack_step(chunks, bs, cpu, uploads=uploads)
     packing = (time.perf_counter() - start) / args.steps
     seqs = [c.seq for c in chunks]
     start = time.perf_counter()
     for _ in range(args.steps):
-        make_sampling_batch(seqs, 151_936, cpu)  # Qwen3's vocabulary
+        make_sampling_batch(seqs, 151_936, cpu, uploads)  # Qwen3's vocabulary
     sampling = (time.perf_counter() - start) / args.steps
     routing = route_and_flush(args.seqs, args.steps)
     print(f"{args.seqs} decode rows, blocks of {bs}: schedule + launched + resolve {scheduling * 1e6:.0f} us, "

@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     prompts = [[rng.randint(0, 10000) for _ in range(args.tokens)] for _ in range(args.prompts)]
-    from nanostream.layers.attention_backend import FP8_KV_DTYPE
+    from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
 
     device = torch.device(args.device)
     with random_model(args.preset, json.loads(args.tiny_config), args.build_dir) as path:

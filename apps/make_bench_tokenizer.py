@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from nanostream.testing.tiny_model import build_tokenizer
+from nanostream.testing.tokenizer import build_tokenizer
 
 
 def sources(limit: int) -> Iterator[str]:

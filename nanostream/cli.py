@@ -48,8 +48,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
     from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
-    from nanostream.engine.kv_pool import warn_on_late_compiles
     from nanostream.engine.server import EngineFailure, EngineServer
+    from nanostream.kernels.late_compiles import warn_on_late_compiles
 
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
@@ -67,13 +67,15 @@ def _serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig(**server_kwargs)
     engine_config = EngineConfig.from_kwargs(args.model or str(default_model_dir()), **engine_kwargs(args))
     rendezvous = Rendezvous.from_env(os.environ)  # launched by torchrun (or as it would): one rank of several
+    if rendezvous is not None or engine_config.tensor_parallel_size > 1:
+        # NCCL's settings, for this process (an entry point) and the workers it starts (they take its environment)
+        os.environ.update(with_multicast_off(os.environ))
     if rendezvous is not None:
         if rendezvous.world_size != engine_config.tensor_parallel_size:
             raise ValueError(
                 f"WORLD_SIZE={rendezvous.world_size} but --tensor-parallel-size {engine_config.tensor_parallel_size}: "
                 "give every rank --tensor-parallel-size equal to WORLD_SIZE"
             )
-        os.environ.update(with_multicast_off(os.environ))  # NCCL's settings, for this process (an entry point)
         if rendezvous.rank != 0:  # a worker: it takes every engine option from rank 0
             from nanostream.engine.worker import run_worker
 

@@ -25,7 +25,7 @@ from nanostream import LLM, ModelLoadError
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import pack_step
-from nanostream.layers import layer_kernels, norm, rotary
+from nanostream.layers import layer_kernels, norm, rope_scaling, rotary
 from nanostream.layers.activation import SiluAndMul, silu_and_mul
 from nanostream.layers.attention import Attention, ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
@@ -55,7 +55,7 @@ def test_each_declaration_reads_its_config():
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias, llama.rope) == (False, False, True, rotary.RopeSpec(5e5))
     scaled = spec_of(LlamaConfig, "LlamaForCausalLM", rope_scaling=dict(rope_type="llama3", factor=32.0,
                      low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192))  # fmt: skip
-    assert scaled.rope.scaling == rotary.Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
+    assert scaled.rope.scaling == rope_scaling.Llama3RopeScaling(32.0, 1.0, 4.0, 8192)
     mistral = spec_of(MistralConfig, "MistralForCausalLM", sliding_window=None)
     assert (mistral.qk_norm, mistral.qkv_bias, mistral.o_bias, mistral.mlp_bias) == (False,) * 4
 
@@ -252,7 +252,7 @@ def test_a_model_built_in_bfloat16_has_the_float32_builds_weights_rounded(tmp_pa
 
 
 def test_olmo2_is_not_split_over_ranks():
-    from nanostream.distributed.sharding import check_split
+    from nanostream.models.sharding import check_split
 
     with pytest.raises(ValueError, match="QK-norms span every head.*divides the model: 1$"):
         check_split(spec_of(Olmo2Config, "Olmo2ForCausalLM"), 2)

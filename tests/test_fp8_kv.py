@@ -30,18 +30,12 @@ from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool, kv_block_by
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import pack_step
 from nanostream.kernels.decode_attention import paged_decode_attention
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE, FP8_KV_MAX, dequantize_kv, quantize_kv
 from nanostream.kernels.prefill_attention import paged_prefill_attention
 from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
 from nanostream.layers.attention import Attention, ForwardContext
-from nanostream.layers.attention_backend import (
-    FP8_KV_DTYPE,
-    FP8_KV_MAX,
-    KVCache,
-    TorchAttention,
-    dequantize_kv,
-    quantize_kv,
-)
+from nanostream.layers.attention_backend import KVCache, TorchAttention
 from nanostream.layers.flash_attention import FP8_KV_REFUSED, FlashAttention, flash_attn_unavailable_reason
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.norm import RMSNorm

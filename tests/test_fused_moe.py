@@ -1,6 +1,7 @@
-"""The fused MoE kernel (nanostream.kernels.fused_moe) against the torch reference (layers.moe.moe_experts), and
-the reference against a plain per-token loop over each token's experts: SiLU-and-mul experts, and gpt-oss's
-(biases on gate/up and down, the clamped SwiGLU, weights large enough that the clamp bites).
+"""The fused MoE kernel (nanostream.kernels.fused_moe) against the torch reference
+(layers.moe_reference.moe_experts), and the reference against a plain per-token loop over each token's experts:
+SiLU-and-mul experts, and gpt-oss's (biases on gate/up and down, the clamped SwiGLU, weights large enough that
+the clamp bites).
 
 On CPU the kernel runs under Triton's interpreter (small shapes, float32); the gpu-marked cases in
 tests/test_gpu_moe.py run it compiled, in bfloat16, at Qwen3-30B-A3B's and Mixtral's shapes.
@@ -10,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanostream.kernels import fused_moe as fused_moe_module
-from nanostream.kernels.fused_moe import TILES, MoETile, align_by_expert, fused_moe, tile_for
-from nanostream.layers.moe import ClampedSwiGLU, moe_experts
+from nanostream.kernels import moe_align
+from nanostream.kernels.expert_ops import ClampedSwiGLU
+from nanostream.kernels.fused_moe import TILES, MoETile, fused_moe, tile_for
+from nanostream.kernels.moe_align import align_by_expert
+from nanostream.layers.moe_reference import moe_experts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -133,9 +136,9 @@ def test_alignment_pads_each_experts_run_to_the_block_and_bounds_the_length_stat
 def test_the_alignment_kernel_makes_the_runs_the_torch_ops_make(monkeypatch, num_tokens, num_experts, k, block_m):
     gen = torch.Generator().manual_seed(num_tokens)
     ids, _ = routing(num_tokens, num_experts, k, gen, skew=True)
-    assert ids.numel() <= fused_moe_module.ALIGN_KERNEL_PAIRS
+    assert ids.numel() <= moe_align.ALIGN_KERNEL_PAIRS
     kernel = [t.cpu() for t in align_by_expert(ids, num_experts, block_m)]
-    monkeypatch.setattr(fused_moe_module, "ALIGN_KERNEL_PAIRS", 0)  # the torch ops (prefill's path)
+    monkeypatch.setattr(moe_align, "ALIGN_KERNEL_PAIRS", 0)  # the torch ops (prefill's path)
     torch_ops = [t.cpu() for t in align_by_expert(ids, num_experts, block_m)]
     assert kernel[0].shape == torch_ops[0].shape and kernel[1].shape == torch_ops[1].shape
     assert kernel[2].tolist() == torch_ops[2].tolist()

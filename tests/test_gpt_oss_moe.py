@@ -21,9 +21,12 @@ from torch import nn
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.kernels.fused_moe import fused_moe
 from nanostream.layers.activation import SiluAndMul, silu_and_mul
-from nanostream.layers.moe import ClampedSwiGLU, MoEFn, MoESpec, SparseMoE, moe_experts
+from nanostream.layers.moe import SparseMoE
+from nanostream.layers.moe_reference import moe_experts
+from nanostream.layers.moe_spec import MoEFn, MoESpec
 from nanostream.models.loader import load_dummy_weights, load_weights
 
 CONFIG = dict(
@@ -35,7 +38,7 @@ LAYER_TENSORS = {"router.weight", "router.bias", "experts.gate_up_proj", "expert
 
 
 def gpt_oss_spec(config: GptOssConfig) -> MoESpec:
-    """The MoE layers of a GptOssConfig, as models/architectures.py is to read them."""
+    """The MoE layers of a GptOssConfig, as models/config_reader.py is to read them."""
     return MoESpec(
         num_experts=config.num_local_experts,
         top_k=config.num_experts_per_tok,

@@ -12,9 +12,18 @@ import pytest
 import torch
 
 from nanostream import LLM, SamplingParams
+from nanostream.distributed.rendezvous import MULTICAST_OFF
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def multicast_off(monkeypatch):
+    """NVLink multicast off, as ``nanostream serve`` sets it for its engine process (this test process starts
+    the engine here, so it is the entry point): on a GPU slice of a shared host NCCL's set-up of it hangs."""
+    for name, value in MULTICAST_OFF.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama3", "mistral", "gemma3", "phi3", "glm4"])
@@ -177,15 +186,15 @@ def test_torch_compile_leaves_dynamo_config_alone_and_stays_compiled(qwen3_dir):
 def test_step_uploads_keep_their_values_while_the_device_is_behind():
     """The upload memory is reused every other step: a half is refilled only once the device is past
     every copy from it. A device kept busy makes the copies wait; a refill too early would change them."""
-    from nanostream.engine.step_inputs import new_step, to_device
+    from nanostream.engine.step_inputs import Uploads, to_device
 
     device = torch.device("cuda")
-    kept = []
+    uploads, kept = Uploads(device), []
     for step in range(8):
-        new_step(device)
+        uploads.new_step()
         torch.cuda._sleep(20_000_000)  # ~10 ms of device time ahead of this step's copies
         values = [step * 10_000 + i for i in range(4096)]
-        kept.append((values, to_device(values, torch.int64, device)))
+        kept.append((values, to_device(values, torch.int64, device, uploads)))
     assert all(t.tolist() == values for values, t in kept)
 
 
@@ -225,7 +234,7 @@ def test_serving_compiles_no_triton_kernel_after_start_up(qwen3_dir, enforce_eag
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
-def test_two_gpus_tensor_parallel_is_token_identical_to_one(qwen3_dir, backend, enforce_eager):
+def test_two_gpus_tensor_parallel_is_token_identical_to_one(qwen3_dir, backend, enforce_eager, multicast_off):
     # NCCL between the ranks, CUDA graphs captured per rank with the all-reduces inside, the KV pool
     # sized per rank from its GPU's memory and agreed on (the minimum). float32 where the backend takes
     # it (the sums' order differs: bf16 could flip a near-tie), bfloat16 for FlashAttention.
@@ -255,7 +264,7 @@ def test_two_gpus_tensor_parallel_is_token_identical_to_one(qwen3_dir, backend, 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
-def test_two_gpus_bfloat16_logits_agree_with_one(qwen3_dir, backend):
+def test_two_gpus_bfloat16_logits_agree_with_one(qwen3_dir, backend, multicast_off):
     # In bfloat16 the two ranks' partial sums round apart from one GPU's: every step's logits stay within
     # cosine 0.999 of one GPU's, and the greedy tokens are the same for 32 steps.
     prompt = [random.Random(5).randrange(3, 500) for _ in range(300)]

@@ -17,7 +17,7 @@ from test_hf_parity import hf_greedy
 
 from nanostream import LLM, SamplingParams
 from nanostream.kernels.fused_moe import fused_moe
-from nanostream.layers.moe import moe_experts
+from nanostream.layers.moe_reference import moe_experts
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 pytestmark = pytest.mark.gpu

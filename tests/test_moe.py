@@ -28,7 +28,8 @@ from nanostream.kernels.fused_moe import fused_moe
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.layers.moe import MoESpec, moe_experts
+from nanostream.layers.moe_reference import moe_experts
+from nanostream.layers.moe_spec import MoESpec
 from nanostream.models import DecoderForCausalLM, decoder_spec, load_model
 from nanostream.models.loader import load_weights
 from nanostream.testing import TINY_PRESETS, make_tiny_model

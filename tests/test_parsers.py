@@ -9,7 +9,7 @@ import pytest
 from nanostream.client.reasoning import Qwen3ReasoningParser
 from nanostream.engine.grammar import GrammarCompiler, RequestGrammar
 from nanostream.frontends.openai_server.tool_parsers import HermesToolParser, assemble
-from nanostream.testing.tiny_model import build_tokenizer
+from nanostream.testing.tokenizer import build_tokenizer
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}}\n</tool_call>'

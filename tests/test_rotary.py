@@ -18,14 +18,9 @@ from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3 import modeling_qwen3
 
 from nanostream import ModelLoadError
-from nanostream.layers.rotary import (
-    LongRopeScaling,
-    RopeSpec,
-    RotaryEmbedding,
-    YarnRopeScaling,
-    permute_heads,
-    rope_spec,
-)
+from nanostream.layers.rope_config import rope_spec
+from nanostream.layers.rope_scaling import LongRopeScaling, YarnRopeScaling
+from nanostream.layers.rotary import RopeSpec, RotaryEmbedding, permute_heads
 
 ALL_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Near 0, both sides of 2048 (the original length of the scaled configs below) and up to the table's end.

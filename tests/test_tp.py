@@ -29,9 +29,9 @@ from transformers import AutoConfig
 
 from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
 from nanostream.client.launch import READY
-from nanostream.distributed import SINGLE, TensorParallel, check_split, shard_decoder
+from nanostream.distributed import SINGLE, TensorParallel
 from nanostream.distributed.group import FRAME_BYTES
-from nanostream.distributed.rendezvous import host_locally
+from nanostream.distributed.rendezvous import MULTICAST_OFF, Rendezvous, host_locally
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.control import StepReader, StepWriter, decode, encode
 from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
@@ -39,11 +39,13 @@ from nanostream.engine.sampler import SamplerOutput
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.step_inputs import pack_step
+from nanostream.engine.workers import PARENT_VARIABLE, worker_environment
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.layers.moe import MoESpec
+from nanostream.layers.moe_spec import MoESpec
 from nanostream.models import decoder_spec, load_model
+from nanostream.models.sharding import check_split, shard_decoder
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 CPU = torch.device("cpu")
@@ -143,6 +145,20 @@ def in_threads(size: int, fn):
         t.join(60)
     assert not errors, errors
     return results
+
+
+def test_a_worker_started_here_takes_this_process_environment_and_its_rank(monkeypatch):
+    # NCCL reads its settings from each rank's environment and the ranks must agree: a worker gets rank 0's
+    # (whatever its entry point chose, multicast on or off), never values the library made up.
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    before = dict(os.environ)
+    env = worker_environment(Rendezvous("127.0.0.1", 29500, 3, 0).for_rank(2), os.environ)
+    assert dict(os.environ) == before  # nothing written here
+    assert env["NCCL_NVLS_ENABLE"] == "1" and "NVSHMEM_DISABLE_NVLS" not in env
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("2", "2", "3", "29500")
+    assert env[PARENT_VARIABLE] == str(os.getpid())
+    assert set(MULTICAST_OFF) <= set(worker_environment(Rendezvous("h", 1, 2, 0), MULTICAST_OFF))
 
 
 def test_collectives_and_the_control_channel():

@@ -117,7 +117,7 @@ def section_moe(run: Run) -> None:
     run.ceilings()
     fused = load_kernel("fused_moe", "fused_moe")
     tiles = load_kernel("fused_moe", "SWEEP")
-    from nanostream.layers.moe import moe_experts
+    from nanostream.layers.moe_reference import moe_experts
 
     sweep = () if isinstance(tiles, Exception) or run.args.quick else tiles
     for shape in SHAPES[:1] if run.args.quick else SHAPES:

@@ -1,10 +1,11 @@
-"""Tensor parallelism's pieces that know nothing of the engine: how the decoder splits (sharding.py),
-the collectives (group.py), where ranks meet (rendezvous.py) and how they watch each other (liveness.py).
+"""Tensor parallelism's pieces that know nothing of the engine nor of the models: the collectives (group.py),
+where ranks meet (rendezvous.py) and how they watch each other (liveness.py). Imports torch alone, nothing
+of nanostream's: the layers and the models build on it.
 
-The processes themselves are the engine's: engine/workers.py (rank 0's side), engine/worker.py (the others).
+How the decoder splits over the ranks is the decoder's own (models/sharding.py); the processes themselves
+are the engine's: engine/workers.py (rank 0's side), engine/worker.py (the others).
 """
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.distributed.sharding import DecoderShard, check_split, shard_decoder
 
-__all__ = ["SINGLE", "DecoderShard", "TensorParallel", "check_split", "shard_decoder"]
+__all__ = ["SINGLE", "TensorParallel"]

@@ -4,7 +4,7 @@ per request, the masks of a step's constrained rows.
     add_request ──▶ GrammarCompiler.submit(spec) ──▶ a worker thread: parse (a bad spec fails the future
                     with InvalidRequestError), compile against the model's vocabulary; cached by spec
     the request waits (not in the scheduler) until its future is done ──▶ RequestGrammar
-    each step ──▶ fill_token_bitmask(): one row per constrained sample, after the grammar took the
+    each step ──▶ GrammarMasks.fill(): one row per constrained sample, after the grammar took the
                   previous token ──▶ the sampler masks those rows' logits (sampler.apply_token_bitmask)
     each token ──▶ RequestGrammar.accept(token); ``terminated`` once it took a stop token
 
@@ -189,20 +189,28 @@ MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 """Threads that fill a step's masks: a row costs ~80 us at a 152k vocabulary inside a JSON string (its
 tokens with quotes and escapes are checked one by one), so 128 rows on one thread outlast a decode step."""
 
-_batch_matcher: Any = None
 
+class GrammarMasks:
+    """Fills a step's masks of the next token; one per engine (``LLMEngine`` owns it), with its own xgrammar
+    ``BatchGrammarMatcher`` (its threads), made on the first step with two constrained rows::
 
-def fill_token_bitmask(grammars: list[RequestGrammar], pin: bool) -> torch.Tensor:
-    """[len(grammars), ceil(V / 32)] int32 masks of the next token, on the host (pinned: ``pin``); V is
-    the vocabulary the grammars were compiled for (all the same). Rows are filled by ``MASK_THREADS``."""
-    global _batch_matcher
-    bitmask = torch.empty(len(grammars), -(-grammars[0].vocab_size // 32), dtype=torch.int32, pin_memory=pin)
-    if len(grammars) == 1:
-        grammars[0].fill(bitmask, 0)
+        masks = GrammarMasks()
+        bitmask = masks.fill([seq.grammar for seq in constrained], pin=True)"""
+
+    def __init__(self, threads: int = MASK_THREADS) -> None:
+        self.threads = threads
+        self._batch_matcher: Any = None
+
+    def fill(self, grammars: list[RequestGrammar], pin: bool) -> torch.Tensor:
+        """[len(grammars), ceil(V / 32)] int32 masks of the next token, on the host (pinned: ``pin``); V is
+        the vocabulary the grammars were compiled for (all the same). Rows are filled by ``threads``."""
+        bitmask = torch.empty(len(grammars), -(-grammars[0].vocab_size // 32), dtype=torch.int32, pin_memory=pin)
+        if len(grammars) == 1:
+            grammars[0].fill(bitmask, 0)
+            return bitmask
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
         return bitmask
-    if _batch_matcher is None:
-        import xgrammar as xgr
-
-        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=MASK_THREADS)
-    _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
-    return bitmask

@@ -8,13 +8,12 @@ order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on CUDA,
 never more than the engine can ever fill. With tensor parallelism each rank sizes the pool
 of its own KV heads on its own device, and the ranks then take the smallest block count (``ModelRunner``).
 
-Also the start-up steps that run on a pool (kernels compile there, not mid-serving), and the warning
-an engine process logs for a kernel variant built after them.
+Also the start-up steps that run on a pool (kernels compile there, not mid-serving); the warning an engine
+process logs for a kernel variant built after them is its entry point's (kernels/late_compiles.py).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,11 +22,10 @@ import torch
 from nanostream.config import EngineConfig
 from nanostream.engine.sequence import Sequence
 from nanostream.errors import ModelLoadError
-from nanostream.layers.attention_backend import FP8_KV_DTYPE, KVCache
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
+from nanostream.layers.attention_backend import KVCache
 from nanostream.models import DecoderSpec
 from nanostream.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -164,25 +162,3 @@ def measure_cuda_kv_budget(device: torch.device, utilization: float, run_worst_s
     # Memory in use now (weights, other processes), plus what the worst forward pass adds at its peak.
     used = total - free + peak - current
     return int(total * utilization - used)
-
-
-def warn_on_late_compiles() -> None:
-    """From now on, log each Triton kernel variant built: building one (~0.3 s) stalls every stream, and
-    the warm-up steps above should have met it. Triton's hook is process-wide: call this from an
-    engine process's entry point once its start-up is done (it installs itself once, keeping a hook
-    that was there before)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return
-    earlier = knobs.runtime.jit_post_compile_hook
-    if getattr(earlier, "nanostream", False):
-        return
-
-    def hook(*, fn, key, **kwargs):
-        name = getattr(fn, "__name__", fn)
-        log.warning("Triton kernel %s got a variant after start-up, a stall of every stream (key %s)", name, key)
-        return earlier(fn=fn, key=key, **kwargs) if earlier is not None else None
-
-    hook.nanostream = True
-    knobs.runtime.jit_post_compile_hook = hook

@@ -23,7 +23,7 @@ from nanostream.config import EngineConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.admission import check_request, read_eos_token_ids
 from nanostream.engine.block_manager import BlockManager
-from nanostream.engine.grammar import GrammarCompiler, GrammarWaitlist, fill_token_bitmask
+from nanostream.engine.grammar import GrammarCompiler, GrammarMasks, GrammarWaitlist
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import PENDING, Sequence
@@ -106,6 +106,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         grammars = GrammarCompiler(config.tokenizer or self.model_path, self.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(grammars)  # constrained requests whose grammar compiles
+        self.grammar_masks = GrammarMasks()  # a step's masks of its constrained rows
         self._in_flight: tuple[list[ScheduledChunk], InFlight] | None = None  # the launched, unread step
         self._scheduled: list[ScheduledChunk] = []  # this step's chunks, until it is in flight
         self._deltas: list[RequestDelta] = []  # this step's output so far
@@ -288,7 +289,7 @@ class LLMEngine:
             self.runner.sample(step)
             return
         rows, grammars = zip(*live)
-        self.runner.sample(step, rows, fill_token_bitmask(list(grammars), pin=self.runner.device.type == "cuda"))
+        self.runner.sample(step, rows, self.grammar_masks.fill(list(grammars), pin=self.runner.device.type == "cuda"))
 
     def _finish_in_flight(self) -> list[RequestDelta]:
         chunks, launched = self._in_flight

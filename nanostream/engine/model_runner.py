@@ -41,7 +41,7 @@ from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logp
 from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
 from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, StepInputs, new_step, pack_step, to_device
+from nanostream.engine.step_inputs import Chunk, StepInputs, Uploads, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
@@ -97,6 +97,7 @@ class ModelRunner:
         self.vocab_size = self.spec.vocab_size
         self.device_wait_seconds = 0.0  # the host waiting for the device in collect(), summed
         self.tp, self.control = tp, control
+        self.uploads = Uploads(self.device)  # host memory of this runner's uploads (step_inputs.py)
         cuda = self.device.type == "cuda"
         self.backend = get_backend(
             config.attention_backend,
@@ -189,7 +190,7 @@ class ModelRunner:
 
     def prepare(self, chunks: list[Chunk], prev: InFlight | None = None) -> StepInputs:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
-        return pack_step(chunks, self.block_size, self.device, prev)
+        return pack_step(chunks, self.block_size, self.device, prev, self.uploads)
 
     def launch(self, chunks: list[Chunk], prev: InFlight | None = None, **options: bool) -> InFlight:
         """Queue the step on the device (inputs, model, sampling) without waiting for it; with workers,
@@ -215,7 +216,7 @@ class ModelRunner:
         constrained rows' grammar masks are known). The sampling parameters are read now either way.
         ``with_prompt_logprobs``: some request wants prompt logprobs (computed for the chunks of those
         that do; refused with tensor parallelism, whose workers do not know of them)."""
-        new_step(self.device)
+        self.uploads.new_step()
         input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -225,18 +226,18 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta)
         prompt_logprobs = None
         if with_prompt_logprobs:
-            prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits)
+            prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits, self.uploads)
         seqs = [c.seq for c in chunks if c.samples]
         if not seqs:
             return InFlight([], {}, None, prompt_logprobs=prompt_logprobs)
         if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[to_device(sample_rows, torch.int64, self.device)]
+            hidden = hidden[to_device(sample_rows, torch.int64, self.device, self.uploads)]
         logits = self.model.compute_logits(hidden)  # [B, V], the model's dtype; None on ranks > 0
         rows = {s.request_id: i for i, s in enumerate(seqs)}
         if logits is None:  # a worker: rank 0 samples, and its samples come here for the next step's inputs
             token_ids = self.tp.broadcast(torch.empty(len(seqs), dtype=torch.int64, device=self.device))
             return InFlight(seqs, rows, SamplerOutput(token_ids, None, None, None))
-        batch = make_sampling_batch(seqs, self.vocab_size, self.device)
+        batch = make_sampling_batch(seqs, self.vocab_size, self.device, self.uploads)
         step = InFlight(seqs, rows, None, logits=logits, batch=batch, prompt_logprobs=prompt_logprobs)
         if not defer_sampling:
             self._sample(step)
@@ -247,7 +248,7 @@ class ModelRunner:
         int32 (host) holds the grammar masks of rows ``mask_rows``. With workers (who wait for the samples'
         broadcast) a failure is the engine's death."""
         if bitmask is not None:
-            add_token_bitmask(step.batch, list(mask_rows), bitmask, self.device)
+            add_token_bitmask(step.batch, list(mask_rows), bitmask, self.device, self.uploads)
         if self.control is None:
             self._sample(step)
             return

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, to_device
+from nanostream.engine.step_inputs import Chunk, Uploads, to_device
 
 _ROWS_PER_PASS = 1024  # logits [rows, V] in float32 at a time: a long prompt never holds all of its [T, V]
 
@@ -46,7 +46,10 @@ class PromptLogprobs:
 
 
 def launch_prompt_logprobs(
-    chunks: list[Chunk], hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    chunks: list[Chunk],
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    uploads: Uploads | None = None,
 ) -> PromptLogprobs | None:
     """The prompt logprobs that this step's chunks give, queued on the device (hidden: [T, H] of every
     computed token, packed in chunk order). None when no chunk's request asks for them."""
@@ -65,7 +68,7 @@ def launch_prompt_logprobs(
     if not spans:
         return None
     device = hidden.device
-    rows_t, targets_t = to_device(rows, torch.int64, device), to_device(targets, torch.int64, device)
+    rows_t, targets_t = to_device(rows, torch.int64, device, uploads), to_device(targets, torch.int64, device, uploads)
     top = max(seq.params.prompt_logprobs for seq, _, _ in spans)
     parts = []
     for i in range(0, len(rows), _ROWS_PER_PASS):

@@ -9,7 +9,7 @@ import torch
 
 from nanostream.engine.sampler import SamplerOutput, SamplingBatch
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import to_device, to_device_packed
+from nanostream.engine.step_inputs import Uploads, to_device, to_device_packed
 
 
 @dataclass
@@ -53,14 +53,16 @@ def _sampling_row(seq: Sequence, vocab_size: int) -> SamplingRow:
     return seq.sampling_row
 
 
-def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
-    """One row per sequence that samples this step, in order."""
+def make_sampling_batch(
+    seqs: list[Sequence], vocab_size: int, device: torch.device, uploads: Uploads | None = None
+) -> SamplingBatch:
+    """One row per sequence that samples this step, in order (uploaded through ``uploads``, the runner's)."""
     rows = [s.sampling_row or _sampling_row(s, vocab_size) for s in seqs]
     temperature, top_p, min_p, top_k, seeds, greedy, narrows, logprobs, rare = zip(*rows)
     f32, i64 = torch.float32, torch.int64
-    temperature_t, top_p_t, min_p_t = to_device_packed(device, f32, temperature, top_p, min_p)
+    temperature_t, top_p_t, min_p_t = to_device_packed(device, f32, temperature, top_p, min_p, uploads=uploads)
     steps = [len(s.token_ids) - s.num_prompt_tokens for s in seqs]  # each row's output tokens so far
-    top_k_t, seeds_t, steps_t = to_device_packed(device, i64, top_k, seeds, steps)
+    top_k_t, seeds_t, steps_t = to_device_packed(device, i64, top_k, seeds, steps, uploads=uploads)
     batch = SamplingBatch(
         temperature=temperature_t,
         top_k=top_k_t,
@@ -74,18 +76,20 @@ def make_sampling_batch(seqs: list[Sequence], vocab_size: int, device: torch.dev
         max_logprobs=max(logprobs),
     )
     if any(rare):
-        _add_rare(batch, seqs, vocab_size, device)
+        _add_rare(batch, seqs, vocab_size, device, uploads)
     return batch
 
 
-def _add_rare(batch: SamplingBatch, seqs: list[Sequence], vocab: int, device: torch.device) -> None:
+def _add_rare(
+    batch: SamplingBatch, seqs: list[Sequence], vocab: int, device: torch.device, uploads: Uploads | None
+) -> None:
     """Penalties, min_tokens bans and logit bias, for a step where some row has one."""
     p = [s.params for s in seqs]
     f32, i64 = torch.float32, torch.int64
     if any(x.has_penalties for x in p):
-        batch.repetition_penalty = to_device([x.repetition_penalty for x in p], f32, device)
-        batch.presence_penalty = to_device([x.presence_penalty for x in p], f32, device)
-        batch.frequency_penalty = to_device([x.frequency_penalty for x in p], f32, device)
+        batch.repetition_penalty = to_device([x.repetition_penalty for x in p], f32, device, uploads)
+        batch.presence_penalty = to_device([x.presence_penalty for x in p], f32, device, uploads)
+        batch.frequency_penalty = to_device([x.frequency_penalty for x in p], f32, device, uploads)
         batch.output_counts = _token_rows([s.output_token_ids for s in seqs], vocab, device).float()
         batch.prompt_mask = _token_rows([s.prompt_token_ids for s in seqs], vocab, device) > 0
     banned = [s.stop_token_ids if s.num_output_tokens < s.params.min_tokens else () for s in seqs]
@@ -94,15 +98,17 @@ def _add_rare(batch: SamplingBatch, seqs: list[Sequence], vocab: int, device: to
     if any(x.logit_bias for x in p):
         triples = [(i, t, v) for i, x in enumerate(p) for t, v in x.logit_bias]
         rows, ids, values = zip(*triples)
-        batch.bias_rows, batch.bias_ids = to_device_packed(device, i64, list(rows), list(ids))
-        batch.bias_values = to_device(list(values), f32, device)
+        batch.bias_rows, batch.bias_ids = to_device_packed(device, i64, list(rows), list(ids), uploads=uploads)
+        batch.bias_values = to_device(list(values), f32, device, uploads)
 
 
-def add_token_bitmask(batch: SamplingBatch, rows: list[int], bitmask: torch.Tensor, device: torch.device) -> None:
+def add_token_bitmask(
+    batch: SamplingBatch, rows: list[int], bitmask: torch.Tensor, device: torch.device, uploads: Uploads | None = None
+) -> None:
     """Set the grammar masks of ``rows`` (bitmask [len(rows), W] int32, on the host) on ``batch``."""
     if not rows:
         return
-    batch.mask_rows = to_device(rows, torch.int64, device)
+    batch.mask_rows = to_device(rows, torch.int64, device, uploads)
     batch.token_bitmask = bitmask.to(device, non_blocking=True) if device.type == "cuda" else bitmask
 
 

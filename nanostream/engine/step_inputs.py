@@ -2,12 +2,13 @@
 
 A chunk is what the scheduler hands the runner (``scheduler.ScheduledChunk`` is one): which tokens of
 which sequence to compute. Host lists go up through pinned memory, one copy per dtype, so the step's
-only host synchronisation is reading its samples back.
+only host synchronisation is reading its samples back. That memory is an ``Uploads`` arena, owned by the
+model runner (one per runner): every upload of its steps goes through it (``uploads=``); without one a
+list goes up on its own (``torch.tensor``), as a test or a benchmark may send it.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple, Protocol
 
 import torch
@@ -44,14 +45,22 @@ class StepInputs(NamedTuple):
     sample_rows: list[int]  # rows of the hidden states whose logits are sampled (chunks that reach the end)
 
 
-class _Uploads:
-    """Host memory for one thread's copies up to one device, reused step after step, so that a step's
+class Uploads:
+    """Host memory for one runner's copies up to its device, reused step after step, so that a step's
     uploads cost a fill (numpy's, ~4x faster than ``torch.tensor`` from a list) and a copy, not a pinned
     allocation each. Two halves: a step's uploads come from one (``new_step`` switches), and a half is
     filled again only once the device is past every copy from it (an event recorded at the switch).
-    Pinned on CUDA, where the copies are asynchronous; plain on the CPU, where they are not."""
+    Pinned on CUDA, where the copies are asynchronous; plain on the CPU, where they are not.
+
+    One runner's steps run one after another on one thread; two runners (two engines in a process) each
+    have their own, so neither waits on the other's device work::
+
+        uploads = Uploads(device)
+        uploads.new_step()
+        ids = to_device(token_ids, torch.int64, device, uploads)"""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.pinned = device.type == "cuda"
         self.halves = [self._memory(1 << 20), self._memory(1 << 20)]
         self.done = [torch.cuda.Event() if self.pinned else None for _ in range(2)]
@@ -61,6 +70,7 @@ class _Uploads:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def new_step(self) -> None:
+        """A step starts: its uploads go to the half that the device is done with."""
         if self.pinned:
             self.done[self.half].record()  # after every copy queued from this half
         self.half ^= 1
@@ -70,7 +80,7 @@ class _Uploads:
             self.halves[self.half] = self._memory(1 << (self.wanted - 1).bit_length())
         self.offset = self.wanted = 0
 
-    def upload(self, data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def upload(self, data: list, dtype: torch.dtype) -> torch.Tensor | None:
         """``data`` (flat) on the device; None if it does not fit in this step's half."""
         start = -(-self.offset // 64) * 64
         end = start + len(data) * dtype.itemsize
@@ -81,29 +91,15 @@ class _Uploads:
         host = memory[start:end].view(dtype)
         host.numpy()[:] = data
         self.offset = end
-        return torch.empty(len(data), dtype=dtype, device=device).copy_(host, non_blocking=self.pinned)
+        return torch.empty(len(data), dtype=dtype, device=self.device).copy_(host, non_blocking=self.pinned)
 
 
-_THREAD = threading.local()  # per thread (engines may run in several threads of one process): device -> _Uploads
-
-
-def _uploads(device: torch.device) -> _Uploads:
-    table = _THREAD.__dict__.setdefault("uploads", {})
-    if device not in table:
-        table[device] = _Uploads(device)
-    return table[device]
-
-
-def new_step(device: torch.device) -> None:
-    """A step starts: its uploads go to the half of this thread's upload memory that the device is done with."""
-    _uploads(device).new_step()
-
-
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor. On CUDA the copy is asynchronous: the step's only host
-    synchronisation is reading its samples."""
+def to_device(data: list, dtype: torch.dtype, device: torch.device, uploads: Uploads | None = None) -> torch.Tensor:
+    """A host list as a device tensor, through ``uploads`` (the runner's, for ``device``) where it fits. On
+    CUDA the copy is asynchronous: the step's only host synchronisation is reading its samples."""
     flat = not data or not isinstance(data[0], list)
-    uploaded = _uploads(device).upload(data, dtype, device) if flat and dtype in _NUMPY_DTYPES else None
+    fits = uploads is not None and flat and dtype in _NUMPY_DTYPES
+    uploaded = uploads.upload(data, dtype) if fits else None
     if uploaded is None:  # nested, another dtype, or more than this step's half holds (it grows by the next step)
         uploaded = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     return uploaded
@@ -112,16 +108,19 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 _NUMPY_DTYPES = (torch.int64, torch.int32, torch.float32)
 
 
-def to_device_packed(device: torch.device, dtype: torch.dtype, *parts: list) -> list[torch.Tensor]:
-    """Flat host lists as device tensors of one dtype, sent in one copy; each a view of it that starts
-    on a 16-element boundary (64 bytes or more), as kernels that assume aligned pointers need."""
+def to_device_packed(
+    device: torch.device, dtype: torch.dtype, *parts: list, uploads: Uploads | None = None
+) -> list[torch.Tensor]:
+    """Flat host lists as device tensors of one dtype, sent in one copy (through ``uploads``, as ``to_device``);
+    each a view of it that starts on a 16-element boundary (64 bytes or more), as kernels that assume aligned
+    pointers need."""
     flat: list = []
     sizes = []
     for part in parts:
         sizes.append(len(part))
         flat += part
         flat += [0] * (-len(part) % 16)
-    buffer = to_device(flat, dtype, device)
+    buffer = to_device(flat, dtype, device, uploads)
     views, offset = [], 0
     for n in sizes:
         views.append(buffer[offset : offset + n])
@@ -130,9 +129,14 @@ def to_device_packed(device: torch.device, dtype: torch.dtype, *parts: list) -> 
 
 
 def pack_step(
-    chunks: list[Chunk], block_size: int, device: torch.device, prev: PendingSource | None = None
+    chunks: list[Chunk],
+    block_size: int,
+    device: torch.device,
+    prev: PendingSource | None = None,
+    uploads: Uploads | None = None,
 ) -> StepInputs:
-    """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
+    """Pack the chunks into one varlen batch (uploaded through ``uploads``, the runner's). A PENDING input token
+    is read from ``prev``'s samples."""
     bs = block_size
     pending: list[tuple[int, int]] = []  # (row of input_ids, row of prev's samples)
     input_ids: list[int] = []
@@ -180,9 +184,11 @@ def pack_step(
     rows, prev_rows = (list(x) for x in zip(*pending)) if pending else ([], [])
     # Two copies up, one per dtype, instead of one per tensor.
     ids, pos, slot_mapping, rows_t, prev_rows_t = to_device_packed(
-        device, torch.int64, input_ids, positions, slots, rows, prev_rows
+        device, torch.int64, input_ids, positions, slots, rows, prev_rows, uploads=uploads
     )
-    cu_seqlens_q, seq_lens_t, block_tables = to_device_packed(device, torch.int32, cu_q, seq_lens, tables)
+    cu_seqlens_q, seq_lens_t, block_tables = to_device_packed(
+        device, torch.int32, cu_q, seq_lens, tables, uploads=uploads
+    )
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         cu_seqlens_q=cu_seqlens_q,

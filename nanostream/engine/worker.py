@@ -28,9 +28,9 @@ from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Heartbeat
 from nanostream.distributed.rendezvous import Rendezvous, rank_device
 from nanostream.engine.control import StepReader, Stop, decode, decode_setup
-from nanostream.engine.kv_pool import warn_on_late_compiles
 from nanostream.engine.model_runner import InFlight, ModelRunner
 from nanostream.engine.workers import PARENT_VARIABLE, joined_key
+from nanostream.kernels.late_compiles import warn_on_late_compiles
 from nanostream.models.loader import resolve_model_path
 
 log = logging.getLogger("nanostream.engine.worker")  # also when run as __main__

@@ -25,27 +25,21 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Watch
-from nanostream.distributed.rendezvous import (
-    STORE_TIMEOUT,
-    Rendezvous,
-    host_locally,
-    rank_device,
-    with_multicast_off,
-)
-from nanostream.distributed.sharding import check_split
+from nanostream.distributed.rendezvous import MULTICAST_OFF, STORE_TIMEOUT, Rendezvous, host_locally, rank_device
 from nanostream.engine.control import Setup, StepWriter, Stop, encode
 from nanostream.engine.kv_pool import kv_dtype
 from nanostream.engine.step_inputs import Chunk
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.layers.backends import get_backend
-from nanostream.models.decoder import DecoderSpec
+from nanostream.models.sharding import check_split
+from nanostream.models.spec import DecoderSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +70,10 @@ class WorkerGroup:
     workers.close()
 
     With ``rendezvous`` (torchrun's variables, this process RANK=0) the workers are launched elsewhere and
-    meet it there; without, they are started here, on a store at a port the OS picks.
+    meet it there; without, they are started here, on a store at a port the OS picks, each with this
+    process's environment (NCCL reads its settings there, and every rank must agree) and its rank's variables.
+    The group writes no environment variable: NVLink multicast is switched off by the process's entry point
+    (``nanostream serve`` does; a program of its own sets ``MULTICAST_OFF`` of distributed/rendezvous.py).
     """
 
     def __init__(self, config: EngineConfig, spec: DecoderSpec, rendezvous: Rendezvous | None = None) -> None:
@@ -95,10 +92,7 @@ class WorkerGroup:
         else:
             store = rendezvous.connect()
         if device.type == "cuda":
-            # NCCL reads these from the environment of each process when it builds a communicator, and
-            # every rank must agree: rank 0 (this process) takes them as its workers do, unless set.
-            for name, value in with_multicast_off(os.environ).items():
-                os.environ.setdefault(name, value)
+            _note_multicast(os.environ)
         self._store, self._writer, self._closed = store, StepWriter(), False
         self._failure: str | None = None  # why the engine died (a step failed), where the watch did not see it
         self._subscribers: list[Callable[[str], None]] = []
@@ -112,7 +106,7 @@ class WorkerGroup:
         self.watch.start()
         try:
             for r in range(1, size) if local else ():
-                self._processes[r] = _spawn(rendezvous.for_rank(r), device)
+                self._processes[r] = _spawn(rendezvous.for_rank(r))
             self._wait_joined()
             self.tp = TensorParallel.connect(store, 0, size, rendezvous.local_rank, device)
         except BaseException as exc:
@@ -230,9 +224,23 @@ def _check_gpus(device: torch.device, size: int) -> None:
         )
 
 
-def _spawn(rendezvous: Rendezvous, device: torch.device) -> subprocess.Popen:
-    env = {**os.environ, **rendezvous.environment(), PARENT_VARIABLE: str(os.getpid())}
-    if device.type == "cuda":
-        env = with_multicast_off(env)
+def worker_environment(rendezvous: Rendezvous, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the worker of ``rendezvous``'s rank started here: ``environ`` (this process's: NCCL
+    reads its settings from each rank's, and they must agree), torchrun's variables of its rank, this pid."""
+    return {**environ, **rendezvous.environment(), PARENT_VARIABLE: str(os.getpid())}
+
+
+def _note_multicast(environ: Mapping[str, str]) -> None:
+    unset = [name for name in MULTICAST_OFF if name not in environ]
+    if unset:
+        log.warning(
+            "tensor parallel: NVLink multicast is left to NCCL (%s unset); where setting it up fails or hangs (a "
+            "GPU slice of a bigger host), set %s in the environment before the engine starts (nanostream serve does)",
+            ", ".join(unset),
+            " ".join(f"{k}={v}" for k, v in MULTICAST_OFF.items()),
+        )
+
+
+def _spawn(rendezvous: Rendezvous) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nanostream.engine.worker"]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, env=worker_environment(rendezvous, os.environ), stdin=subprocess.DEVNULL)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from nanostream.kernels._device import LOG2E, num_sms
 from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
-from nanostream.layers.attention_backend import check_kv_scales
+from nanostream.kernels.fp8_kv import check_kv_scales
 
 MAX_SPLITS = 64
 

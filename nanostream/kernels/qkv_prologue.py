@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels.fp8_kv import check_kv_scales
 from nanostream.kernels.store_kv import quantize_fp8
-from nanostream.layers.attention_backend import check_kv_scales
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.layers.attention_backend import FP8_KV_MAX, check_kv_scales
+from nanostream.kernels.fp8_kv import FP8_KV_MAX, check_kv_scales
 
 _FP8_MAX = tl.constexpr(FP8_KV_MAX)
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanostream.layers.attention_backend import FP8_KV_DTYPE, AttentionBackend, AttentionMetadata, KVCache
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
 from nanostream.layers.linear import TensorSlice
 from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
 from nanostream.layers.rotary import RotaryEmbedding

@@ -7,7 +7,8 @@ The ``Attention`` layer (layers/attention.py) is built with one and calls it.
 
 The pool is in the model's dtype, or in float8 e4m3 (``kv_cache_dtype="fp8"``): then each layer passes
 its ``k_scale`` and ``v_scale`` ([1] float32 tensors), and a backend stores ``quantize_kv(k, k_scale)``
-and reads ``dequantize_kv(stored, k_scale)`` (likewise V), as the torch backend here does.
+and reads ``dequantize_kv(stored, k_scale)`` (likewise V), as the torch backend here does (the format:
+kernels/fp8_kv.py).
 """
 
 from __future__ import annotations
@@ -21,35 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanostream.kernels.fp8_kv import check_kv_scales, dequantize_kv, quantize_kv
+
 log = logging.getLogger(__name__)
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
-"""448, e4m3's largest value: a stored K or V element saturates here (e4m3fn has no infinity, and a cast past
-it would be NaN on some devices)."""
-
-
-def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x / scale`` in float32, saturated at +-448, as float8 e4m3 (``scale``: [1] float32)."""
-    return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
-
-
-def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``stored * scale`` in float32, as ``dtype`` (the model's)."""
-    return (stored.float() * scale).to(dtype)
-
-
-def check_kv_scales(cache_dtype: torch.dtype, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
-    """Whether the pool is FP8 (so K and V are scaled); raise ``ValueError`` unless [1] float32 scales come
-    with an FP8 pool, and only with one."""
-    fp8 = cache_dtype == FP8_KV_DTYPE
-    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
-        raise ValueError(
-            f"k_scale and v_scale go with a {FP8_KV_DTYPE} KV cache, and only with one; this cache is {cache_dtype}"
-        )
-    if fp8 and not all(s.shape == (1,) and s.dtype == torch.float32 for s in (k_scale, v_scale)):
-        raise ValueError(f"k_scale and v_scale must be [1] float32 tensors, got {k_scale!r} and {v_scale!r}")
-    return fp8
 
 
 @dataclass

@@ -40,15 +40,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out[:m].reshape(*lead, weight.shape[0])
 
 
-def ordered_topk_sum(out: torch.Tensor) -> torch.Tensor:
-    """[T, K, H] -> [T, H]: each token's K rows added one after another in top-k order (a reduction
-    kernel may split K differently for a different T)."""
-    total = out[:, 0]
-    for i in range(1, out.shape[1]):
-        total = total + out[:, i]
-    return total
-
-
 @functools.cache
 def invariant_moe(on_gpu_kernels: bool):
     """The ``MoEFn`` of the mode: the fused MoE kernel with one tile for every token count (where the layers run
@@ -57,6 +48,6 @@ def invariant_moe(on_gpu_kernels: bool):
         from nanostream.kernels.fused_moe import fused_moe
 
         return functools.partial(fused_moe, invariant=True)
-    from nanostream.layers.moe import moe_experts
+    from nanostream.layers.moe_reference import moe_experts
 
     return functools.partial(moe_experts, linear=invariant_linear)

@@ -30,14 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanostream.layers.attention_backend import (
-    FP8_KV_DTYPE,
-    AttentionBackend,
-    AttentionMetadata,
-    KVCache,
-    check_kv_scales,
-    check_window,
-)
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE, check_kv_scales
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
 from nanostream.layers.triton_attention import TritonAttention
 
 FA4_ARCHS = (9, 10, 11)  # compute-capability majors where FA4 reads paged KV: Hopper, Blackwell

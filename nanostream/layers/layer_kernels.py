@@ -8,7 +8,7 @@
   GEMMs, no host sync, so CUDA graphs capture it).
 - Otherwise, with ``compile`` (the ``torch`` backend on CUDA with ``torch_compile``): the torch code of the
   elementwise layers (norms, rotary, SiLU-and-mul), torch.compile'd, fuses into one kernel each.
-- Otherwise the torch code, eagerly. The MoE experts' reference (``layers.moe.moe_experts``) is never
+- Otherwise the torch code, eagerly. The MoE experts' reference (``layers.moe_reference.moe_experts``) is never
   compiled; where ``grouped_mm`` runs (CPU, bf16 on CUDA) it has no host sync either.
 - ``batch_invariant``: every GEMM (linear layers, LM head, router, experts) is the mode's
   (``layers.batch_invariant``), whose rows do not depend on the batch; nothing is torch.compile'd.
@@ -36,7 +36,8 @@ from nanostream.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
 from nanostream.layers.batch_invariant import invariant_linear, invariant_moe
 from nanostream.layers.linear import Gemm
-from nanostream.layers.moe import MoEFn, moe_experts
+from nanostream.layers.moe_reference import moe_experts
+from nanostream.layers.moe_spec import MoEFn
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
 from nanostream.layers.rotary import RotaryFn, apply_rotary
 

@@ -7,13 +7,8 @@ import os
 
 import torch
 
-from nanostream.layers.attention_backend import (
-    FP8_KV_DTYPE,
-    AttentionBackend,
-    AttentionMetadata,
-    KVCache,
-    check_window,
-)
+from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
+from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache, check_window
 
 FP8_MIN_ARCH = (8, 9)  # Triton converts float8 e4m3 (its fp8e4nv) on sm89 and newer
 

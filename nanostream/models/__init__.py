@@ -1,4 +1,7 @@
-"""Models: the shared decoder (decoder.py), the architectures it runs (architectures.py), loading weights.
+"""Models: the shared decoder (decoder.py, its layers in decoder_layer.py) and its shape (spec.py), the
+architectures it runs (architectures.py), reading a config.json into a spec (config_reader.py), how the decoder
+splits over tensor-parallel ranks (sharding.py), loading weights (loader.py, quantization.py).
+May import layers/, distributed/ and nanostream's errors; the engine imports this, never the reverse.
 
 ``load_model`` builds the decoder for a config.json and fills it from the checkpoint::
 
@@ -16,10 +19,12 @@ import torch
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.fp8_linear import fp8_gemm_available
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, decoder_spec
-from nanostream.models.decoder import DecoderForCausalLM, DecoderSpec
+from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from nanostream.models.config_reader import decoder_spec
+from nanostream.models.decoder import DecoderForCausalLM
 from nanostream.models.loader import load_dummy_weights, load_weights
 from nanostream.models.quantization import keep_fp8_weights
+from nanostream.models.spec import DecoderSpec
 
 __all__ = [
     "ARCHITECTURES",

@@ -85,7 +85,7 @@ def _resolve(model: nn.Module, name: str) -> tuple[str, str | None]:
 def _wanted(model: nn.Module, pname: str, param: nn.Parameter) -> list[str]:
     """The parts ``pname`` must be loaded as: one per shard of a merged or expert module, else one."""
     module = model.get_submodule(pname.rsplit(".", 1)[0])
-    if hasattr(module, "shards"):  # layers.moe.Experts
+    if hasattr(module, "shards"):  # layers.experts.Experts
         return [f"{pname}:{s}" for s in module.shards(param)]
     shards = getattr(module, "shard_offsets", None)
     return [f"{pname}:{s}" for s in shards] if shards else [f"{pname}:None"]

@@ -13,10 +13,8 @@ intermediate dimension (and of the shared expert's); the router is whole on ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the decoder imports this module
-    from nanostream.models.decoder import DecoderSpec
+from nanostream.models.spec import DecoderSpec
 
 
 @dataclass(frozen=True)

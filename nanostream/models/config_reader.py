@@ -1,0 +1,262 @@
+"""Reading a transformers config (config.json) into the decoder's ``DecoderSpec``, by its family's declaration
+(models/architectures.py), refusing what nanostream does not run.
+
+What a config asks for that the decoder cannot run exactly (a rope type, an activation, a quantization method,
+attention logit soft-capping, a layer type, a bad size) is refused with ``ModelLoadError`` naming it::
+
+    spec = decoder_spec(AutoConfig.from_pretrained(path), max_model_len=4096)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from nanostream.errors import ModelLoadError
+from nanostream.kernels.expert_ops import ClampedSwiGLU
+from nanostream.layers.activation import ACTIVATIONS
+from nanostream.layers.moe_spec import MoESpec
+from nanostream.layers.rope_config import rope_spec
+from nanostream.layers.rotary import RopeSpec
+from nanostream.models.architectures import (
+    ARCHITECTURES,
+    TEXT_MODELS,
+    Architecture,
+    Experts,
+    supported_list,
+    text_config,
+)
+from nanostream.models.quantization import fp8_spec
+from nanostream.models.spec import DecoderSpec
+
+
+def _rope_params(hf_config: Any) -> dict:
+    # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta.
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
+    """The rotary embedding of the (full) layers and, where the family gives its sliding layers their own
+    (Gemma 3's local base), theirs."""
+    params = _rope_params(hf_config)
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if "partial_rotary_factor" not in params and getattr(hf_config, "partial_rotary_factor", None) is not None:
+        params["partial_rotary_factor"] = hf_config.partial_rotary_factor  # transformers 4.x keeps it outside
+    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+        params["rope_theta"] = hf_config.rope_theta
+
+    def read(p: dict) -> RopeSpec:
+        return rope_spec(
+            p,
+            head_dim=head_dim,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            allowed=arch.rope_types,
+            model=name,
+            interleaved=arch.interleaved_rotary,
+            partial_rotary=arch.partial_rotary,
+        )
+
+    if "full_attention" in params:  # Gemma 3: a rope per layer kind
+        sliding = params.get("sliding_attention")
+        return read(dict(params["full_attention"])), read(dict(sliding)) if sliding else None
+    return read(params), None
+
+
+def _sliding_window(hf_config: Any, arch: Architecture) -> int | None:
+    switch = arch.sliding_window_switch
+    if switch is not None and not getattr(hf_config, switch, False):
+        return None
+    return getattr(hf_config, "sliding_window", None)
+
+
+def _layer_windows(hf_config: Any, arch_name: str, arch: Architecture, max_model_len: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full); empty when no layer's window hides a token of a
+    ``max_model_len`` sequence (so those models run the plain kernels)."""
+    window = _sliding_window(hf_config, arch)
+    if window is None:
+        return ()
+    window = _positive_int(hf_config, "sliding_window", arch_name)
+    num_layers = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        windows = (window,) * num_layers
+    else:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != num_layers:
+            raise ModelLoadError(
+                f"{arch_name} with layer_types {unknown or types!r}: nanostream runs sliding_attention and "
+                f"full_attention, one per layer ({num_layers})"
+            )
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if all(w is None or w >= max_model_len for w in windows):
+        return ()
+    return windows
+
+
+def _refuse_unsupported(hf_config: Any, name: str, arch: Architecture) -> None:
+    fp8_spec(getattr(hf_config, "quantization_config", None), name)  # refuses what does not load, by name
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ModelLoadError(f"{name} with attn_logit_softcapping is not supported; nanostream caps only final logits")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ModelLoadError(f"{name} with use_bidirectional_attention is not supported; nanostream attends causally")
+
+
+def _positive_int(hf_config: Any, key: str, arch_name: str, default: Any = None) -> int:
+    value = getattr(hf_config, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{arch_name} with {key}={value!r} is not supported; nanostream needs a positive integer")
+    return value
+
+
+def _moe(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
+    """The MoE layers a config declares, refusing what nanostream does not run; None: none (every MLP dense)."""
+    num_experts = getattr(hf_config, experts.num_experts_key, None)
+    if num_experts == 0 and experts.sparse_layers:  # transformers' Qwen MoE models: every layer dense
+        return None
+    num_experts = _positive_int(hf_config, experts.num_experts_key, arch_name)
+    top_k = _positive_int(hf_config, "num_experts_per_tok", arch_name)
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{arch_name} routes each token to num_experts_per_tok={top_k} of {experts.num_experts_key}={num_experts} "
+            "experts; it cannot pick more than there are"
+        )
+    num_layers = hf_config.num_hidden_layers
+    layers = tuple(range(num_layers))
+    if experts.sparse_layers:
+        step = _positive_int(hf_config, "decoder_sparse_step", arch_name, default=1)
+        only = getattr(hf_config, "mlp_only_layers", None) or []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ModelLoadError(f"{arch_name} with mlp_only_layers={only!r}: nanostream needs a list of layer indices")
+        layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
+    if not layers:
+        return None
+    shared = 0
+    if experts.shared_expert:
+        shared = getattr(hf_config, "shared_expert_intermediate_size", 0)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ModelLoadError(f"{arch_name} with shared_expert_intermediate_size={shared!r} is not supported")
+    renormalize = experts.renormalize
+    if renormalize is None:
+        renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
+    gpt_oss = {}
+    if experts.gpt_oss:
+        # transformers before swiglu_alpha was a config key used 1.702, and so do configs without it
+        alpha, limit = getattr(hf_config, "swiglu_alpha", 1.702), getattr(hf_config, "swiglu_limit", 7.0)
+        gpt_oss = dict(
+            router_bias=True,
+            softmax_after_topk=True,
+            activation=ClampedSwiGLU(alpha=float(alpha), limit=float(limit)),
+            expert_bias=True,
+            transposed_experts=True,
+            interleaved_gate_up=True,
+        )
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_positive_int(hf_config, experts.intermediate_key, arch_name),
+        renormalize=renormalize,
+        float32_weights=experts.float32_weights,
+        layers=layers,
+        shared_expert_intermediate_size=shared,
+        **gpt_oss,
+    )
+
+
+def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
+    """Read the decoder's shape from a transformers config, refusing what the decoder cannot run.
+
+    ``max_model_len``: the engine's (resolved) limit. Sliding windows at least that long hide no token, so
+    a model whose windows all are runs as full attention."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if any(a in TEXT_MODELS for a in architectures):  # a multimodal checkpoint: its language model alone
+        spec = decoder_spec(text_config(hf_config), max_model_len=max_model_len)
+        quantization = fp8_spec(getattr(hf_config, "quantization_config", None), architectures[0])
+        return dataclasses.replace(
+            spec, checkpoint_prefix="language_model.", quantization=quantization or spec.quantization
+        )
+    name = next((a for a in architectures if a in ARCHITECTURES), None)
+    if name is None:
+        raise ModelLoadError(
+            f"unsupported architecture {architectures or 'missing'} in config.json; nanostream runs {supported_list()}"
+        )
+    arch = ARCHITECTURES[name]
+    _refuse_unsupported(hf_config, name, arch)
+    act = getattr(hf_config, arch.activation_key, None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(
+            f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
+            f"{', '.join(ACTIVATIONS)}"
+        )
+    rope, sliding_rope = _ropes(hf_config, name, arch)
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
+    qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
+    mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
+    windows = _layer_windows(hf_config, name, arch, max_model_len)
+    return DecoderSpec(
+        architecture=name,
+        quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope=rope,
+        max_position=hf_config.max_position_embeddings,
+        qkv_bias=qkv_bias or attention_bias,
+        o_bias=attention_bias,
+        qk_norm=arch.qk_norm,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        mlp_bias=mlp_bias,
+        moe=_moe(hf_config, name, arch.experts) if arch.experts else None,
+        norms=arch.norms,
+        norm_weight_offset=arch.norm_weight_offset,
+        qk_norm_whole=arch.qk_norm_whole,
+        activation=ACTIVATIONS[act],
+        scale_embeddings=arch.scale_embeddings,
+        **_multipliers(hf_config, name, arch),
+        attention_sinks=arch.attention_sinks,
+        layer_windows=windows,
+        sliding_rope=sliding_rope if windows else None,
+        rope_layers=_rope_layers(hf_config, name, arch),
+    )
+
+
+def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, float | None]:
+    """The scales a family puts on embeddings, residual branches, the softmax and the logits."""
+
+    def positive(key: str) -> float:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(f"{name} with {key}={value!r} is not supported; nanostream needs a positive number")
+        return float(value)
+
+    out: dict[str, float | None] = {}
+    if arch.multipliers:
+        out["embedding_multiplier"] = positive("embedding_multiplier")
+        out["residual_multiplier"] = positive("residual_multiplier")
+        out["attention_scale"] = positive("attention_multiplier")
+        out["logits_divisor"] = positive("logits_scaling")
+    if arch.query_pre_attn_scalar:
+        out["attention_scale"] = positive("query_pre_attn_scalar") ** -0.5
+    if arch.final_logit_softcap and getattr(hf_config, "final_logit_softcapping", None) is not None:
+        out["final_logit_softcap"] = positive("final_logit_softcapping")
+    return out
+
+
+def _rope_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[bool, ...]:
+    if not arch.no_rope_layers:
+        return ()
+    flags = getattr(hf_config, "no_rope_layers", None)
+    if flags is None:
+        return ()
+    if len(flags) != hf_config.num_hidden_layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f"{name} with no_rope_layers={flags!r}: nanostream needs a 0 or 1 per layer")
+    return tuple(bool(f) for f in flags)

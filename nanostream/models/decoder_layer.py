@@ -1,0 +1,163 @@
+"""One layer of the shared decoder (models/decoder.py): self-attention and an MLP, with the family's norms.
+
+A ``DecoderLayer`` owns its forward in two steps around its attention call, ``attn_in`` (the norms before
+attention, the qkv projection) and ``attn_out`` (the output projection, the norms and residual adds around
+the MLP), so that where a family puts its norms (before each block as Llama, also after it as Gemma 3 and
+GLM-4, only after it as OLMo 2: ``LayerNorms``) is the layer's business. Its MLP is the dense ``MLP`` or, in
+the layers ``spec.moe`` names, the ``SparseMoE`` block (layers/moe.py). Every module is built for this rank's
+shard (models/sharding.py): q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanostream.distributed.group import TensorParallel
+from nanostream.layers.activation import SiluAndMul
+from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
+from nanostream.layers.layer_kernels import LayerKernels
+from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
+from nanostream.layers.moe import SparseMoE
+from nanostream.layers.norm import RMSNorm
+from nanostream.layers.rotary import RotaryEmbedding
+from nanostream.models.sharding import DecoderShard
+from nanostream.models.spec import DecoderSpec
+
+
+def _head_rows(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+class SelfAttention(nn.Module):
+    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads)."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding | None,
+        kernels: LayerKernels,
+        shard: DecoderShard,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        d = spec.head_dim
+        q_rows, kv_rows = _head_rows(shard.heads, d), _head_rows(shard.kv_heads, d)
+        q_total, kv_total = spec.num_heads * d, spec.num_kv_heads * d
+        parts = {"q": (q_rows, q_total), "k": (kv_rows, kv_total), "v": (kv_rows, kv_total)}
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias, kernels.linear)
+        self.attn = Attention(
+            layer_idx,
+            shard.num_heads,
+            shard.num_kv_heads,
+            spec.head_dim,
+            rotary,
+            kernels.attention,
+            qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+            norm_kernel=kernels.rms_norm,
+            norm_weight_offset=spec.norm_weight_offset,
+            qk_norm_whole=spec.qk_norm_whole,
+            scale=spec.attention_scale,
+            window=spec.window(layer_idx),
+            sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,
+        )
+        self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp, kernels.linear)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
+        super().__init__()
+        rows, total = shard.intermediate, spec.intermediate_size
+        parts = {"gate": (rows, total), "up": (rows, total)}
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
+        self.act = SiluAndMul(kernels.gated(spec.activation))
+        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """One attention block and one MLP block with the family's norms (``spec.norms``) around them.
+
+    ``forward(positions, x, residual, ctx)`` is ``attn_in``, the attention, then ``attn_out``; the model
+    calls the steps one by one where the prefill CUDA graphs cut at the attention."""
+
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding | None,
+        kernels: LayerKernels,
+        shard: DecoderShard,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
+        self.mlp = _mlp(spec, layer_idx, kernels, shard, tp)
+        # Each norm under its checkpoint name, and by its place.
+        places = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+        for place in places:
+            name = getattr(spec.norms, place)
+            norm = None
+            if name is not None:
+                norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, spec.norm_weight_offset)
+                self.add_module(name, norm)
+            object.__setattr__(self, f"_{place}", norm)  # not a second registration of the module
+        self.residual_multiplier = spec.residual_multiplier
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.attn_in(x, residual)
+        return self.attn_out(self.self_attn.attn(positions, qkv, ctx), residual)
+
+    def attn_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its qkv projection, itself)."""
+        norm = self._attn_in
+        if norm is None:  # OLMo 2: no norm before attention
+            h = x if residual is None else x + residual
+            residual = h
+        elif residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual)
+        return self.self_attn.qkv_proj(h), residual
+
+    def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output [T, heads x head_dim] -> the layer output as (x, residual) (their sum)."""
+        h = self.self_attn.o_proj(attn)
+        if self.residual_multiplier is not None:
+            h = h * self.residual_multiplier
+        if self._attn_out is not None:
+            h = self._attn_out(h)
+        if self._mlp_in is not None:
+            x, residual = self._mlp_in(h, residual)
+        else:  # OLMo 2: the MLP reads the sum itself
+            x = residual = h + residual
+        x = self.mlp(x)
+        if self.residual_multiplier is not None:
+            x = x * self.residual_multiplier
+        if self._mlp_out is not None:
+            x = self._mlp_out(x)
+        return x, residual
+
+
+def _mlp(
+    spec: DecoderSpec, layer_idx: int, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel
+) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: the MoE block in the layers ``spec.moe`` names, else the dense one."""
+    if spec.moe is None or layer_idx not in spec.moe.layers:
+        return MLP(spec, kernels, shard, tp)
+    act = SiluAndMul(kernels.silu_and_mul)
+    return SparseMoE(
+        spec.hidden_size,
+        spec.moe,
+        shard.expert_intermediate,
+        shard.shared_intermediate,
+        kernels.moe,
+        act,
+        tp,
+        kernels.linear,
+    )

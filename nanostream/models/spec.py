@@ -1,0 +1,71 @@
+"""``DecoderSpec``: the shape of the one decoder, read from a Hugging Face config (models/config_reader.py), and
+``LayerNorms``, where a family's norms sit in a layer. Plain values: the decoder (models/decoder.py), its sharding
+over tensor-parallel ranks (models/sharding.py) and the engine read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanostream.layers.moe_spec import MoESpec
+from nanostream.layers.rotary import RopeSpec
+from nanostream.models.quantization import Fp8Spec
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    """A layer's norms by where they sit, each its checkpoint name; None: the family has none there.
+
+    ``attn_in`` before attention, ``attn_out`` on the attention's output before the residual add,
+    ``mlp_in`` before the MLP, ``mlp_out`` on the MLP's output (Llama: the first and third)."""
+
+    attn_in: str | None = "input_layernorm"
+    attn_out: str | None = None
+    mlp_in: str | None = "post_attention_layernorm"
+    mlp_out: str | None = None
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a decoder, read from a Hugging Face config (models/config_reader.py)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec  # the (full-attention) layers' rotary embedding
+    max_position: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    mlp_bias: bool = False
+    moe: MoESpec | None = None  # the mixture-of-experts layers; None: every MLP is dense
+    norms: LayerNorms = LayerNorms()
+    norm_weight_offset: float | None = None
+    """How every norm rounds (layers/norm.py): None as Llama; 0.0 (OLMo 2, gpt-oss) or 1.0 (Gemma)."""
+    qk_norm_whole: bool = False  # OLMo 2: the QK-norms span the whole q and k projections, not each head
+    activation: str = "silu"  # the MLP's gated activation (layers/activation.py)
+    embedding_multiplier: float | None = None  # Granite: the embeddings times this
+    scale_embeddings: bool = False  # Gemma: the embeddings times sqrt(hidden_size), rounded to the dtype
+    residual_multiplier: float | None = None  # Granite: each block's output times this before its add
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    logits_divisor: float | None = None  # Granite's logits_scaling: the logits divided by it
+    final_logit_softcap: float | None = None  # Gemma: cap * tanh(logits / cap)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax (``sinks``)
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention); empty: every layer full."""
+    sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
+    quantization: Fp8Spec | None = None
+    """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
+    checkpoint_prefix: str = ""
+    """Where a multimodal checkpoint keeps this decoder's tensors (``language_model.``); the rest is not loaded."""
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
