@@ -48,8 +48,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
     from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
-    from nanostream.engine.kv_pool import warn_on_late_compiles
-    from nanostream.engine.server import EngineFailure, EngineServer
+    from nanostream.engine.process.server import EngineFailure, EngineServer
+    from nanostream.engine.runner.kv_pool import warn_on_late_compiles
 
     if args.model_option is not None:
         if args.model is not None and args.model != args.model_option:
@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
             )
         os.environ.update(with_multicast_off(os.environ))  # NCCL's settings, for this process (an entry point)
         if rendezvous.rank != 0:  # a worker: it takes every engine option from rank 0
-            from nanostream.engine.worker import run_worker
+            from nanostream.engine.tp.worker import run_worker
 
             return run_worker(rendezvous)
     server = EngineServer(engine_config, server_config, rendezvous)

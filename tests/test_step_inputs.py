@@ -1,4 +1,4 @@
-"""A step's uploads (engine/step_inputs.py): host lists reach the device exactly, whatever their size,
+"""A step's uploads (engine/runner/step_inputs.py): host lists reach the device exactly, whatever their size,
 dtype or thread, and the reused host memory never changes a tensor already uploaded."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from nanostream.engine import step_inputs
-from nanostream.engine.step_inputs import new_step, to_device, to_device_packed
+from nanostream.engine.runner import step_inputs
+from nanostream.engine.runner.step_inputs import new_step, to_device, to_device_packed
 
 CPU = torch.device("cpu")
 

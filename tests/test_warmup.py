@@ -1,10 +1,10 @@
-"""The start-up steps that compile kernel variants before serving (engine/kv_pool.py): they fit the pool,
+"""The start-up steps that compile kernel variants before serving (engine/runner/kv_pool.py): they fit the pool,
 cover every short chunk length's tile, and run through the Triton kernels (the interpreter on a CPU)."""
 
 import pytest
 
 from nanostream import LLM
-from nanostream.engine.kv_pool import short_chunk_steps, warn_on_late_compiles
+from nanostream.engine.runner.kv_pool import short_chunk_steps, warn_on_late_compiles
 
 
 def test_short_chunk_steps_cover_each_tile_height_within_the_pool(qwen3_dir):
@@ -51,7 +51,7 @@ def test_a_kernel_variant_built_after_start_up_is_logged_by_name_and_key(caplog)
         def decode_kernel():
             pass
 
-        with caplog.at_level("WARNING", logger="nanostream.engine.kv_pool"):
+        with caplog.at_level("WARNING", logger="nanostream.engine.runner.kv_pool"):
             hook(fn=decode_kernel, key="splits-1", repr="", already_compiled=False)
     finally:
         knobs.runtime.jit_post_compile_hook = before

@@ -6,7 +6,7 @@ samples are read back, so the host's scheduling and bookkeeping overlap the GPU'
 returns the previous step's tokens.
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0: it starts (or, with torchrun's ``rendezvous``,
-meets) N-1 workers (engine/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
+meets) N-1 workers (engine/tp/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.admission import check_request, read_eos_token_ids
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.grammar import GrammarCompiler, GrammarWaitlist, fill_token_bitmask
-from nanostream.engine.model_runner import InFlight, ModelRunner
+from nanostream.engine.runner.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.engine.stats import StepCounters
-from nanostream.engine.workers import WorkerGroup, agreed_config
+from nanostream.engine.tp.workers import WorkerGroup, agreed_config
 from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from nanostream.models import decoder_spec
 from nanostream.models.architectures import text_config

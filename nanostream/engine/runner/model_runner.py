@@ -4,10 +4,10 @@ The runner knows nothing of scheduling: it gets the step's chunks (which tokens 
 to compute, ``step_inputs.Chunk``) and returns the token sampled for every sequence whose chunk
 reached its end. Its helpers, by job: kv_pool.py (how many blocks, the allocation), step_inputs.py
 (packing a step), sampling_batch.py (sampling parameters as tensors, samples read back),
-cuda_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
+decode_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
 
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
-publishes the step to the others (``control``: engine/workers.py); every rank then runs it
+publishes the step to the others (``control``: engine/tp/workers.py); every rank then runs it
 (``launch_local``) in lockstep: the same packed inputs, the same CUDA-graph bucket, the same collectives.
 Rank 0 gathers the logits and samples; its samples are broadcast, since the next step may read them as
 inputs. The warm-up and the graph captures run on every rank alike, without a control message.
@@ -26,8 +26,8 @@ import torch
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.engine.cuda_graphs import DecodeGraphs
-from nanostream.engine.kv_pool import (
+from nanostream.engine.runner.decode_graphs import DecodeGraphs
+from nanostream.engine.runner.kv_pool import (
     allocate_kv_pool,
     kv_block_bytes,
     kv_dtype,
@@ -36,12 +36,12 @@ from nanostream.engine.kv_pool import (
     short_chunk_steps,
     worst_step,
 )
-from nanostream.engine.prefill_graphs import PrefillGraphs
-from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
-from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
-from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
+from nanostream.engine.runner.prefill_graphs import PrefillGraphs
+from nanostream.engine.runner.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
+from nanostream.engine.runner.sampler import SamplerOutput, SamplingBatch, sample
+from nanostream.engine.runner.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
+from nanostream.engine.runner.step_inputs import Chunk, StepInputs, new_step, pack_step, to_device
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, StepInputs, new_step, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
@@ -49,7 +49,7 @@ from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
 
 if TYPE_CHECKING:
-    from nanostream.engine.workers import WorkerGroup
+    from nanostream.engine.tp.workers import WorkerGroup
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 

@@ -1,8 +1,8 @@
-"""The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
+"""The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/process/transport.py).
 
 One thread does it all, each iteration:
   1. transport.receive(): what clients sent (hello, stats, disconnections; add and abort go to the
-     RequestBook of engine/requests.py: limits, routing, deadlines), waiting only when idle
+     RequestBook of engine/process/request_book.py: limits, routing, deadlines), waiting only when idle
   2. engine.step(): launch a step, read back the previous one's tokens
   3. heartbeats, silent clients dropped, requests past their timeout aborted
   4. one Outputs per client for everything this iteration produced, encoded and sent
@@ -31,8 +31,8 @@ from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.engine.requests import Client, RequestBook
-from nanostream.engine.transport import (
+from nanostream.engine.process.request_book import Client, RequestBook
+from nanostream.engine.process.transport import (
     DISCONNECTED,
     NOT_READING,
     SelfProbe,
