@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -49,7 +49,9 @@ from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
 
 if TYPE_CHECKING:
-    from nanostream.engine.tp.workers import WorkerGroup
+    from contextlib import AbstractContextManager
+
+    from nanostream.errors import EngineDeadError
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
@@ -71,6 +73,14 @@ class InFlight:
     prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
 
 
+class StepControl(Protocol):
+    """What rank 0's runner asks of the other ranks (engine/tp/workers.py's ``WorkerGroup``): ``step`` publishes
+    a step that this rank runs inside (a failure: ``EngineDeadError``); ``dead``, the engine's death of ``exc``."""
+
+    def step(self, chunks: list[Chunk]) -> AbstractContextManager[None]: ...
+    def dead(self, exc: BaseException) -> EngineDeadError: ...
+
+
 def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
@@ -86,7 +96,7 @@ class ModelRunner:
         model_path: Path,
         *,
         tp: TensorParallel = SINGLE,
-        control: WorkerGroup | None = None,
+        control: StepControl | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
