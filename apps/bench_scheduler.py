@@ -17,11 +17,11 @@ import torch
 from nanostream import protocol as p
 from nanostream.config import ServerConfig
 from nanostream.engine.block_manager import BlockManager
-from nanostream.engine.requests import RequestBook, _Pending
-from nanostream.engine.sampling_batch import make_sampling_batch
+from nanostream.engine.process.request_book import RequestBook, _Pending
+from nanostream.engine.runner.sampling_batch import make_sampling_batch
+from nanostream.engine.runner.step_inputs import Uploads, pack_step
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Uploads, pack_step
 from nanostream.sampling_params import SamplingParams
 
 

@@ -33,9 +33,9 @@ def logits_of(
     from transformers import AutoConfig
 
     from nanostream import SamplingParams
-    from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+    from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
+    from nanostream.engine.runner.step_inputs import pack_step
     from nanostream.engine.sequence import Sequence
-    from nanostream.engine.step_inputs import pack_step
     from nanostream.layers.attention import ForwardContext
     from nanostream.layers.attention_backend import TorchAttention
     from nanostream.layers.layer_kernels import LayerKernels

@@ -48,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from nanostream.demo_model import default_model_dir
     from nanostream.distributed.rendezvous import Rendezvous, with_multicast_off
-    from nanostream.engine.server import EngineFailure, EngineServer
+    from nanostream.engine.process.server import EngineFailure, EngineServer
     from nanostream.kernels.late_compiles import warn_on_late_compiles
 
     if args.model_option is not None:
@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "give every rank --tensor-parallel-size equal to WORLD_SIZE"
             )
         if rendezvous.rank != 0:  # a worker: it takes every engine option from rank 0
-            from nanostream.engine.worker import run_worker
+            from nanostream.engine.tp.worker import run_worker
 
             return run_worker(rendezvous)
     server = EngineServer(engine_config, server_config, rendezvous)

@@ -22,9 +22,9 @@ from transformers import (
 )
 
 from nanostream import LLM, ModelLoadError
-from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import pack_step
 from nanostream.layers import layer_kernels, norm, rope_scaling, rotary
 from nanostream.layers.activation import SiluAndMul, silu_and_mul
 from nanostream.layers.attention import Attention, ForwardContext

@@ -26,9 +26,9 @@ from transformers import AutoConfig
 from nanostream import LLM, SamplingParams
 from nanostream.cli import build_parser
 from nanostream.config import EngineConfig
-from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool, kv_block_bytes, plan_num_kv_blocks
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool, kv_block_bytes, plan_num_kv_blocks
+from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import pack_step
 from nanostream.kernels.decode_attention import paged_decode_attention
 from nanostream.kernels.fp8_kv import FP8_KV_DTYPE, FP8_KV_MAX, dequantize_kv, quantize_kv
 from nanostream.kernels.prefill_attention import paged_prefill_attention

@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3Config
 
 from nanostream import LLM, ModelLoadError, SamplingParams
 from nanostream.distributed import SINGLE, TensorParallel
-from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import pack_step
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels

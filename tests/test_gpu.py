@@ -186,7 +186,7 @@ def test_torch_compile_leaves_dynamo_config_alone_and_stays_compiled(qwen3_dir):
 def test_step_uploads_keep_their_values_while_the_device_is_behind():
     """The upload memory is reused every other step: a half is refilled only once the device is past
     every copy from it. A device kept busy makes the copies wait; a refill too early would change them."""
-    from nanostream.engine.step_inputs import Uploads, to_device
+    from nanostream.engine.runner.step_inputs import Uploads, to_device
 
     device = torch.device("cuda")
     uploads, kept = Uploads(device), []

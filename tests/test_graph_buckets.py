@@ -1,4 +1,4 @@
-"""The token-count buckets of the prefill CUDA graphs (engine/prefill_graphs.py): every step size up
+"""The token-count buckets of the prefill CUDA graphs (engine/runner/prefill_graphs.py): every step size up
 to the largest graph has a bucket, and padding to it wastes at most half of the bucket (a third above
 1,024 tokens)."""
 
@@ -6,7 +6,7 @@ import bisect
 
 import pytest
 
-from nanostream.engine.prefill_graphs import token_buckets
+from nanostream.engine.runner.prefill_graphs import token_buckets
 
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 100, 256, 4096, 5000, 8192])

@@ -21,9 +21,9 @@ from transformers import AutoConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConf
 
 from nanostream import LLM, AsyncClient, ModelLoadError, SamplingParams
 from nanostream.distributed.group import TensorParallel
-from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import pack_step
 from nanostream.kernels.fused_moe import fused_moe
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention

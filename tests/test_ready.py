@@ -14,9 +14,9 @@ import pytest
 from nanostream import AsyncClient
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.discovery import reachable
-from nanostream.engine import server as server_module
-from nanostream.engine.server import EngineServer
-from nanostream.engine.transport import Transport
+from nanostream.engine.process import server as server_module
+from nanostream.engine.process.server import EngineServer
+from nanostream.engine.process.transport import Transport
 
 OPTIONS = dict(device="cpu", kvcache_block_size=16, max_model_len=256)
 
@@ -67,7 +67,7 @@ def test_an_engine_that_cannot_be_reached_at_its_address_never_says_ready(qwen3_
     os.unlink(path)  # as when another process removed the socket file: a bound engine nobody can reach
     said: list[str] = []
     thread = threading.Thread(target=server.serve_forever, args=(said.append,), daemon=True)
-    with caplog.at_level(logging.WARNING, logger="nanostream.engine.server"):
+    with caplog.at_level(logging.WARNING, logger="nanostream.engine.process.server"):
         thread.start()
         try:
             anyio.run(anyio.sleep, 2.0)

@@ -241,7 +241,7 @@ async def test_requests_waiting_for_their_grammar_count_as_waiting(qwen3_dir, mo
     """A constrained request waits before the scheduler while its grammar compiles: the stats show it,
     and the queue limits count it (a flood of slow grammars is refused as busy like any other)."""
     from nanostream.engine import grammar as grammar_module
-    from nanostream.engine.server import EngineServer
+    from nanostream.engine.process.server import EngineServer
     from nanostream.structured_outputs import StructuredOutputsParams
 
     release = threading.Event()
@@ -449,7 +449,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(qwen3_dir, ll
 
 @pytest.mark.anyio
 async def test_a_failed_step_reaches_the_stream_as_request_failed_error(qwen3_dir, llm):
-    from nanostream.engine.server import EngineServer
+    from nanostream.engine.process.server import EngineServer
 
     address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
     server = EngineServer(EngineConfig(model=str(qwen3_dir), **ENGINE_OPTIONS), ServerConfig(address=address))
@@ -478,7 +478,7 @@ async def test_a_failed_step_reaches_the_stream_as_request_failed_error(qwen3_di
 
 @pytest.mark.anyio
 async def test_a_bug_escaping_the_socket_handling_stops_the_engine_and_every_client_hears_of_it(qwen3_dir):
-    from nanostream.engine.server import EngineServer
+    from nanostream.engine.process.server import EngineServer
 
     address = f"ipc://{tempfile.mkdtemp(prefix='ns-')}/engine.sock"
     server = EngineServer(EngineConfig(model=str(qwen3_dir), **ROOMY), ServerConfig(address=address))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanostream import SamplingParams
-from nanostream.engine.sampler import (
+from nanostream.engine.runner.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_top_k_top_p_min_p,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_sampler import make_batch
 
-from nanostream.engine.sampler import SamplingBatch, exponential_noise, exponential_race, sample
+from nanostream.engine.runner.sampler import SamplingBatch, exponential_noise, exponential_race, sample
 from nanostream.kernels.sampling import race_sample
 
 F32, I64 = torch.float32, torch.int64

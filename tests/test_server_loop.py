@@ -13,7 +13,7 @@ import pytest
 
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.config import EngineConfig, ServerConfig
-from nanostream.engine.server import EngineServer
+from nanostream.engine.process.server import EngineServer
 
 OPTIONS = dict(device="cpu", kvcache_block_size=16, max_model_len=512)
 

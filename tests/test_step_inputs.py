@@ -1,4 +1,4 @@
-"""A step's uploads (engine/step_inputs.py): host lists reach the device exactly, whatever their size,
+"""A step's uploads (engine/runner/step_inputs.py): host lists reach the device exactly, whatever their size,
 dtype or thread, the reused host memory never changes a tensor already uploaded, and each runner owns its
 memory (no arena shared by the engines of a thread or a process)."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from nanostream.engine.step_inputs import Uploads, to_device, to_device_packed
+from nanostream.engine.runner.step_inputs import Uploads, to_device, to_device_packed
 
 CPU = torch.device("cpu")
 

@@ -33,13 +33,13 @@ from nanostream.distributed import SINGLE, TensorParallel
 from nanostream.distributed.group import FRAME_BYTES
 from nanostream.distributed.rendezvous import MULTICAST_OFF, Rendezvous, host_locally
 from nanostream.engine.block_manager import BlockManager
-from nanostream.engine.control import StepReader, StepWriter, decode, encode
-from nanostream.engine.kv_pool import WarmupChunk, allocate_kv_pool
-from nanostream.engine.sampler import SamplerOutput
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
+from nanostream.engine.runner.sampler import SamplerOutput
+from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.scheduler import Scheduler
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import pack_step
-from nanostream.engine.workers import PARENT_VARIABLE, worker_environment
+from nanostream.engine.tp.control import StepReader, StepWriter, decode, encode
+from nanostream.engine.tp.workers import PARENT_VARIABLE, worker_environment
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.layer_kernels import LayerKernels

@@ -1,10 +1,10 @@
-"""The start-up steps that compile kernel variants before serving (engine/kv_pool.py): they fit the pool,
+"""The start-up steps that compile kernel variants before serving (engine/runner/kv_pool.py): they fit the pool,
 cover every short chunk length's tile, and run through the Triton kernels (the interpreter on a CPU)."""
 
 import pytest
 
 from nanostream import LLM
-from nanostream.engine.kv_pool import short_chunk_steps
+from nanostream.engine.runner.kv_pool import short_chunk_steps
 from nanostream.kernels.late_compiles import warn_on_late_compiles
 
 

@@ -3,7 +3,7 @@ where ranks meet (rendezvous.py) and how they watch each other (liveness.py). Im
 of nanostream's: the layers and the models build on it.
 
 How the decoder splits over the ranks is the decoder's own (models/sharding.py); the processes themselves
-are the engine's: engine/workers.py (rank 0's side), engine/worker.py (the others).
+are the engine's: engine/tp/workers.py (rank 0's side), engine/tp/worker.py (the others).
 """
 
 from nanostream.distributed.group import SINGLE, TensorParallel

@@ -6,7 +6,7 @@ samples are read back, so the host's scheduling and bookkeeping overlap the GPU'
 returns the previous step's tokens.
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0: it starts (or, with torchrun's ``rendezvous``,
-meets) N-1 workers (engine/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
+meets) N-1 workers (engine/tp/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig
@@ -23,18 +22,19 @@ from nanostream.config import EngineConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.admission import check_request, read_eos_token_ids
 from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.deltas import StepResult, ended_delta, token_delta
 from nanostream.engine.grammar import GrammarCompiler, GrammarMasks, GrammarWaitlist
-from nanostream.engine.model_runner import InFlight, ModelRunner
+from nanostream.engine.runner.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
-from nanostream.engine.sequence import PENDING, Sequence
+from nanostream.engine.sequence import Sequence
 from nanostream.engine.stats import StepCounters
-from nanostream.engine.workers import WorkerGroup, agreed_config
+from nanostream.engine.tp.workers import WorkerGroup, agreed_config
 from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from nanostream.models import decoder_spec
 from nanostream.models.architectures import text_config
 from nanostream.models.loader import resolve_model_path
 from nanostream.models.quantization import weights_dtype
-from nanostream.protocol import EngineStats, RequestDelta, Usage
+from nanostream.protocol import EngineStats, RequestDelta
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,6 @@ GRAMMAR_WAIT_S = 0.01
 MAX_FAILED_STEPS = 3
 """Steps in a row that may raise before ``step()`` gives up: past this the device or the engine is
 broken (a sticky CUDA error), not one request."""
-
-
-@dataclass
-class StepResult:
-    deltas: list[RequestDelta]
-    num_prefill_tokens: int  # prompt tokens computed this step (chunks that did not only decode)
-    num_decode_tokens: int
-    num_requests: int = 0  # requests in the step
 
 
 class LLMEngine:
@@ -175,9 +167,7 @@ class LLMEngine:
             error = str(exc) if invalid else f"internal error while compiling the grammar ({exc!r})"
             code = "invalid" if invalid else "internal"
             self._counters.finished["error"] += 1
-            deltas.append(
-                RequestDelta(seq.request_id, finish_reason="error", error=error, code=code, usage=_usage(seq))
-            )
+            deltas.append(ended_delta(seq, "error", error, code))
         return deltas
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestDelta | None:
@@ -188,7 +178,7 @@ class LLMEngine:
         if seq is None:
             return None
         self._counters.finished[reason] += 1
-        return RequestDelta(request_id, finish_reason=reason, usage=_usage(seq))
+        return ended_delta(seq, reason)
 
     def stats(self) -> EngineStats:
         """The engine's counters since it started (steps, step time, tokens, preemptions, prefix cache)."""
@@ -245,7 +235,7 @@ class LLMEngine:
             seq = self.scheduler.finish(rid, "error")
             if seq is not None:
                 self._counters.finished["error"] += 1
-                deltas.append(RequestDelta(rid, finish_reason="error", error=error, code="internal", usage=_usage(seq)))
+                deltas.append(ended_delta(seq, "error", error, "internal"))
         return StepResult(deltas, 0, 0)
 
     def _step(self) -> StepResult:
@@ -297,27 +287,10 @@ class LLMEngine:
         self._in_flight, now = None, time.monotonic()
         deltas = []
         for seq in self.scheduler.resolve(chunks, {rid: s.token_id for rid, s in sampled.items()}):
-            token = sampled[seq.request_id]
-            if token.logprobs is not None:
-                seq.logprobs.append(token.logprobs)
-            delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
-            if not seq.reported and seq.params.prompt_logprobs is not None:
-                delta.prompt_logprobs = seq.prompt_logprobs
             if not seq.reported:
                 self._counters.first_token(seq.arrived, seq.admitted_at, now)
-            if not seq.reported or seq.finish_reason is not None:
-                delta.usage, seq.reported = _usage(seq), True  # on the first (prompt, cached tokens) and the last
-            if seq.finish_reason == "error":
-                delta.error, delta.code = seq.error, "internal"
             if seq.finish_reason is not None:
                 self._counters.finished[seq.finish_reason] += 1
-            delta.finish_reason = seq.finish_reason
-            deltas.append(delta)
+            deltas.append(token_delta(seq, sampled[seq.request_id]))
         self._counters.generation_tokens += len(deltas)
         return deltas
-
-
-def _usage(seq: Sequence) -> Usage:
-    # Output tokens still PENDING (sampled by a step in flight) are not counted.
-    generated = sum(1 for t in seq.output_token_ids if t != PENDING)
-    return Usage(seq.num_prompt_tokens, generated, seq.num_cached_tokens)

@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def warn_on_late_compiles() -> None:
     """From now on, log each Triton kernel variant built: building one (~0.3 s) stalls every stream, and the
-    engine's warm-up steps (engine/kv_pool.py) should have met it. Triton's hook is process-wide: call this from
+    engine's warm-up steps (engine/runner/kv_pool.py) should have met it. Triton's hook is process-wide: call this from
     an engine process's entry point once its start-up is done (it installs itself once, keeping a hook that was
     there before)."""
     try:

@@ -1,7 +1,7 @@
 """Exponential-race sampling: one pass over the logits, the noise hashed inline.
 
 The torch sampler draws a token as argmax(softmax(logits / T) / E) with E ~ Exp(1) from a counter-based
-hash of (seed, step, token id) (``nanostream.engine.sampler.exponential_noise``). The softmax normaliser
+hash of (seed, step, token id) (``nanostream.engine.runner.sampler.exponential_noise``). The softmax normaliser
 is a per-row constant, so the same token is argmax(logits / T - log E): this kernel computes that score
 tile by tile, with E from the identical hash, and never materialises the [B, V] noise. On an H200 at
 V = 151,936: 0.14 ms at B = 256 against the torch path's 4.7 ms (~25 int64 passes of ~300 MB each), and

@@ -62,7 +62,7 @@ class DecoderModel(nn.Module):
 
     # The forward in pieces, cut at the attention calls: ``head``, then per layer ``attend`` and ``between``.
     # The pieces do not read the step's attention metadata, so the prefill CUDA graphs capture them alone
-    # (engine/prefill_graphs.py) and run the attention between them.
+    # (engine/runner/prefill_graphs.py) and run the attention between them.
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed(input_ids), None

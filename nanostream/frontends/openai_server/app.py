@@ -1,97 +1,39 @@
-"""The FastAPI app: routes, JSON and SSE responses, disconnects, and ``create_app``."""
+"""The FastAPI app: the server's state (one AsyncClient, connected in the lifespan or once the engine
+answers), the checks every route shares, the models, health and metrics routes, and ``create_app``.
+The generating routes are generation.py's, the tokenizer routes tokenization.py's."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-import msgspec
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from nanostream.client import AsyncClient
-from nanostream.client.chat_template import check_template_kwargs, render_chat
 from nanostream.client.reasoning import get_reasoning_parser
-from nanostream.client.stream import Stream
-from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
+from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.frontends.engine_wait import EngineWait
-from nanostream.frontends.openai_server.chat_protocol import ChatRequest, template_error
+from nanostream.frontends.openai_server.generation import Generation
 from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.metrics import Metrics
-from nanostream.frontends.openai_server.protocol import (
-    APIError,
-    BaseRequest,
-    CompletionRequest,
-    api_error,
-    bad_request,
-)
-from nanostream.frontends.openai_server.responses import Reply, ReplyOptions
-from nanostream.frontends.openai_server.structured import constraint_of, tool_plan
+from nanostream.frontends.openai_server.protocol import APIError, api_error
 from nanostream.frontends.openai_server.tokenization import Tokenization, version
 from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool_parser
-from nanostream.frontends.openai_server.unsupported import check_supported
-from nanostream.outputs import StreamChunk
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-# ---- responses ------------------------------------------------------------------------------------
-
-
-# Characters JSON may carry raw that str.splitlines() breaks a line at: a client that splits the stream
-# that way (httpx's aiter_lines) would get half an event. In UTF-8 they occur only inside strings.
-_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
-
-
-def _sse(data: dict[str, Any] | str) -> bytes:
-    # msgspec's encoder: a third of json.dumps's time per event, and UTF-8 as is (ensure_ascii=False)
-    body = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
-    if b"\xc2\x85" in body or b"\xe2\x80" in body:
-        for raw, escaped in _LINE_BREAKS:
-            body = body.replace(raw, escaped)
-    return b"data: " + body + b"\n\n"
-
-
-async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
-    """``await work()``, or cancel it and return None if the HTTP client disconnects first.
-
-    Starlette notices a disconnect only while it streams a response; before that, this does.
-    """
-    result: list[T] = []
-    failure: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-
-        async def run() -> None:
-            try:
-                result.append(await work())
-            except Exception as exc:  # raised below, bare, rather than in an ExceptionGroup
-                failure.append(exc)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(run)
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        tg.cancel_scope.cancel()
-    if failure:
-        raise failure[0]
-    return result[0] if result else None
-
-
-# ---- the app --------------------------------------------------------------------------------------
-
-
-class _Server(Tokenization):
+class _Server(Generation, Tokenization):
     """The routes' shared state: one AsyncClient, the served name, the API key, the metrics, the parsers."""
 
     reasoning_parser: str | None = None
@@ -211,104 +153,6 @@ class _Server(Tokenization):
             "max_model_len": self.client.max_model_len,
         }
 
-    def _checked(self, body: BaseRequest) -> None:
-        self.check_model(body.model)
-        check_supported(body)
-        body.check()
-
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._checked(body)
-        params = body.sampling_params(body.max_tokens, body.logprobs, constraint_of(body))
-        if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)  # the echoed prompt's logprobs
-        tokenizer = self.client.tokenizer
-        prompts = body.prompts_kept(tokenizer, self.client.max_model_len)
-        stream = self.client.stream(prompts if len(prompts) > 1 else prompts[0], params)
-        echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else None
-        options = self._options(stream, body, chat=False, top_logprobs=body.logprobs)
-        options.echo = echo
-        return await self._respond(request, body, stream, Reply(options))
-
-    async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
-        self._checked(body)
-        logprobs = body.num_logprobs()
-        plan = tool_plan(body, self.tool_parser)
-        max_tokens = body.max_new_tokens()
-        params = body.sampling_params(max_tokens, logprobs, constraint_of(body, plan))
-        try:
-            kwargs = check_template_kwargs(body.chat_template_kwargs)
-        except ValueError as exc:
-            raise bad_request(str(exc), "chat_template_kwargs") from None
-        try:  # rendered here, not by AsyncClient.chat: the prompt may be left open, and truncated
-            ids = render_chat(
-                self.client.tokenizer,
-                body.template_messages(),
-                tools=plan.tools,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=kwargs,
-            )
-        except InvalidRequestError as exc:
-            raise template_error(exc) from None
-        ids = body.truncated(ids, self.client.max_model_len, max_tokens)
-        stream = Stream(self.client, ids, params, reasoning_parser=self.reasoning_parser)
-        options = self._options(stream, body, chat=True, top_logprobs=logprobs)
-        options.tool_parser = self.tool_parser if plan.parse else None
-        options.reasoning = self.reasoning_parser is not None
-        echoed = body.echoed()
-        options.role, options.echo = body.role, None if echoed is None else [echoed]
-        return await self._respond(request, body, stream, Reply(options))
-
-    def _options(self, stream: Stream, body: BaseRequest, *, chat: bool, top_logprobs: int | None) -> ReplyOptions:
-        return ReplyOptions(
-            chat,
-            self.served_model_name,
-            stream.request_id,
-            self.tokens,
-            stream.prompts,
-            n=stream.params.n,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=body.prompt_logprobs is not None,
-            continuous_usage=body.continuous_usage,
-        )
-
-    async def _respond(self, request: Request, body: BaseRequest, stream: Stream, reply: Reply) -> Response:
-        chunks = self.metrics.timed(stream, "chat" if reply.o.chat else "completions")
-        if not body.stream:
-            got = await _unless_disconnected(request, lambda: _collected(chunks))
-            return JSONResponse(reply.whole(got)) if got is not None else Response(status_code=499)
-        # The first chunk before the first byte: a rejected request is still a plain HTTP error.
-        first = await _unless_disconnected(request, chunks.__anext__)
-        if first is None:
-            return Response(status_code=499)
-        return StreamingResponse(
-            self._events(reply, first, chunks, body.include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
-
-    async def _events(
-        self, reply: Reply, first: StreamChunk, chunks: AsyncIterator[StreamChunk], include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(chunks):  # a cancelled response closes the stream: abort
-            try:
-                if reply.o.chat:
-                    for event in reply.role_events():
-                        yield _sse(event)
-                if (event := reply.event(first)) is not None:
-                    yield _sse(event)
-                async for chunk in chunks:
-                    if (event := reply.event(chunk)) is not None:
-                        yield _sse(event)
-                if include_usage:
-                    yield _sse(reply.usage_event())
-            except Exception as exc:
-                error = api_error(exc)
-                if error.status == 500:
-                    log.error("error in a stream", exc_info=exc)
-                yield _sse(error.body())
-            yield _sse("[DONE]")
-
     async def health(self) -> dict[str, Any]:
         self.check_engine()
         stats = await self.client.stats()  # raises when the engine does not answer: 503
@@ -328,10 +172,6 @@ class _Server(Tokenization):
         except (APIError, NanostreamError, TimeoutError):
             self.metrics.engine_stats(None)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def _collected(chunks: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
-    return [chunk async for chunk in chunks]
 
 
 def create_app(

@@ -4,7 +4,7 @@
 
 1. a store: on this host on a port the OS picks; across hosts the one torchrun's variables name;
 2. ``Setup`` (the resolved config and the model's shape) into it, and N-1 worker processes
-   (``python -m nanostream.engine.worker``) started here, or across hosts by torchrun;
+   (``python -m nanostream.engine.tp.worker``) started here, or across hosts by torchrun;
 3. the ``Watch`` over their heartbeats (and processes), from the first moment;
 4. both process groups, once every worker has joined.
 
@@ -33,9 +33,9 @@ from nanostream.config import EngineConfig
 from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Watch
 from nanostream.distributed.rendezvous import MULTICAST_OFF, STORE_TIMEOUT, Rendezvous, host_locally, rank_device
-from nanostream.engine.control import Setup, StepWriter, Stop, encode
-from nanostream.engine.kv_pool import kv_dtype
-from nanostream.engine.step_inputs import Chunk
+from nanostream.engine.runner.kv_pool import kv_dtype
+from nanostream.engine.runner.step_inputs import Chunk
+from nanostream.engine.tp.control import Setup, StepWriter, Stop, encode
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.layers.backends import get_backend
 from nanostream.models.sharding import check_split
@@ -242,5 +242,5 @@ def _note_multicast(environ: Mapping[str, str]) -> None:
 
 
 def _spawn(rendezvous: Rendezvous) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanostream.engine.worker"]
+    cmd = [sys.executable, "-m", "nanostream.engine.tp.worker"]
     return subprocess.Popen(cmd, env=worker_environment(rendezvous, os.environ), stdin=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: rank 1..N-1 of an engine, running rank 0's steps on its shard of the model.
 
-Started by the engine on its host (``python -m nanostream.engine.worker``, torchrun's variables in its
+Started by the engine on its host (``python -m nanostream.engine.tp.worker``, torchrun's variables in its
 environment), or on another host by torchrun itself (``nanostream serve`` with RANK > 0). It talks to the
 other ranks only, never to a client:
 
@@ -8,7 +8,7 @@ other ranks only, never to a client:
 2. read ``Setup`` from the store: every setting is rank 0's, only the device is this rank's own;
 3. build both process groups, load this rank's shard, size the KV pool with the others (the minimum),
    warm up and capture CUDA graphs in lockstep with them;
-4. receive each ``Step`` rank 0 publishes and run it (engine/control.py), until ``Stop``.
+4. receive each ``Step`` rank 0 publishes and run it (engine/tp/control.py), until ``Stop``.
 
 It exits on ``Stop``, when a collective fails (rank 0's sockets closed), when the store cannot be
 reached, or when the process that started it is gone.
@@ -27,13 +27,13 @@ import torch
 from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Heartbeat
 from nanostream.distributed.rendezvous import Rendezvous, rank_device
-from nanostream.engine.control import StepReader, Stop, decode, decode_setup
-from nanostream.engine.model_runner import InFlight, ModelRunner
-from nanostream.engine.workers import PARENT_VARIABLE, joined_key
+from nanostream.engine.runner.model_runner import InFlight, ModelRunner
+from nanostream.engine.tp.control import StepReader, Stop, decode, decode_setup
+from nanostream.engine.tp.workers import PARENT_VARIABLE, joined_key
 from nanostream.kernels.late_compiles import warn_on_late_compiles
 from nanostream.models.loader import resolve_model_path
 
-log = logging.getLogger("nanostream.engine.worker")  # also when run as __main__
+log = logging.getLogger("nanostream.engine.tp.worker")  # also when run as __main__
 
 
 def _lost(reason: str) -> None:
@@ -68,7 +68,7 @@ def run_worker(rendezvous: Rendezvous, parent_pid: int | None = None) -> int:
 
 
 def main() -> int:
-    """``python -m nanostream.engine.worker``: torchrun's variables say which rank this is."""
+    """``python -m nanostream.engine.tp.worker``: torchrun's variables say which rank this is."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops its workers
     rendezvous = Rendezvous.from_env(os.environ)
     if rendezvous is None or rendezvous.rank == 0:

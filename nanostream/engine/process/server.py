@@ -1,8 +1,8 @@
-"""The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/transport.py).
+"""The engine process: an ``LLMEngine`` busy loop behind a ``Transport`` (engine/process/transport.py).
 
 One thread does it all, each iteration:
   1. transport.receive(): what clients sent (hello, stats, disconnections; add and abort go to the
-     RequestBook of engine/requests.py: limits, routing, deadlines), waiting only when idle
+     RequestBook of engine/process/request_book.py: limits, routing, deadlines), waiting only when idle
   2. engine.step(): launch a step, read back the previous one's tokens
   3. heartbeats, silent clients dropped, requests past their timeout aborted
   4. one Outputs per client for everything this iteration produced, encoded and sent
@@ -31,15 +31,9 @@ from nanostream import protocol as p
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.distributed.rendezvous import Rendezvous
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.engine.requests import Client, RequestBook
-from nanostream.engine.transport import (
-    DISCONNECTED,
-    NOT_READING,
-    SelfProbe,
-    Transport,
-    check_bind_address,
-    default_address,
-)
+from nanostream.engine.process.address import SelfProbe, check_bind_address, default_address
+from nanostream.engine.process.request_book import Client, RequestBook
+from nanostream.engine.process.transport import DISCONNECTED, NOT_READING, Transport
 from nanostream.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -129,7 +123,7 @@ class EngineServer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
-        # "Ready" waits for a hello of this process's own through the address (transport.SelfProbe).
+        # "Ready" waits for a hello of this process's own through the address (address.SelfProbe).
         self._probe = SelfProbe(self.address) if ready is not None else None
         self._ready = ready
         next_beat = time.monotonic()

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from nanostream.engine.sampler import SamplerOutput
+from nanostream.engine.runner.sampler import SamplerOutput
 from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.layers.attention_backend import AttentionMetadata
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import msgspec
 
 from nanostream.config import EngineConfig
+from nanostream.engine.runner.step_inputs import Chunk
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk
 from nanostream.models.decoder import DecoderSpec
 
 

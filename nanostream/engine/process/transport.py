@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
-import secrets
-import socket
 import tempfile
-import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from nanostream import protocol as p
+from nanostream.engine.process.address import check_bind_address, ipc_path
 from nanostream.errors import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -50,72 +46,6 @@ _SNDHWM = 10_000  # messages (about one per step) a peer may leave unread before
 
 class _Unregistered(ProtocolError):
     """A frame from a peer the engine has not welcomed (or has dropped) that is not a hello."""
-
-
-def default_address() -> str:
-    """A fresh ipc:// path in the user's runtime directory."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return f"ipc://{base}/nanostream-{os.getpid()}-{secrets.token_hex(4)}.sock"
-
-
-def check_bind_address(address: str, auth_token: str | None) -> None:
-    """Refuse to expose an engine beyond this machine without a shared secret, and an ipc path where
-    another engine listens (a socket file nobody listens on is stale: it is replaced when binding)."""
-    if address.startswith("ipc://"):
-        path = _ipc_path(address)
-        if path is not None and _listening(path):
-            raise ValueError(
-                f"address in use: an engine already listens at {address}; stop it or pick another --address"
-            )
-        return
-    host = urlsplit(address).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not auth_token:
-        raise ValueError(
-            f"binding {address} exposes the engine beyond this machine; pass --auth-token (or set "
-            "NANOSTREAM_AUTH_TOKEN) so that only clients holding it can connect, or bind to 127.0.0.1"
-        )
-
-
-def _ipc_path(address: str) -> Path | None:
-    """The socket file of an ipc:// address; None for Linux's abstract namespace (ipc://@name)."""
-    rest = address[len("ipc://") :]
-    return None if rest.startswith("@") else Path(rest)
-
-
-def _listening(path: Path) -> bool:
-    if not path.exists():
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:  # refused (nobody listens) or not a socket
-            return False
-    return True
-
-
-class SelfProbe:
-    """A hello this process sends to its own engine through the address clients use. When the busy loop
-    reads it, a client can connect there and be heard: only then does the engine say it is ready (a
-    bind alone proves less: the socket file may have moved, a listener may not be accepting yet)."""
-
-    def __init__(self, address: str) -> None:
-        self.identity = f"ready-probe-{secrets.token_hex(8)}".encode()
-        self.sent = time.monotonic()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
-        # Queued in ZeroMQ until the connection is up, then sent: no retry of ours is needed.
-        self._sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, None, os.getpid(), None)), flags=zmq.NOBLOCK)
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
 
 
 class Transport:
@@ -161,7 +91,7 @@ class Transport:
         if address.startswith("tcp://"):
             self._router.bind(address.replace(":0", ":*"))
             return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        path = _ipc_path(address)
+        path = ipc_path(address)
         if path is None:
             self._router.bind(address)
             return address
@@ -240,7 +170,7 @@ class Transport:
         and remove an ipc socket file."""
         self.flush()
         self._close_sockets(linger=None)
-        path = _ipc_path(self.address) if self.address.startswith("ipc://") else None
+        path = ipc_path(self.address) if self.address.startswith("ipc://") else None
         # Only the file this engine made: a new engine at the same address may have bound while this
         # one's sockets lingered, and removing its file would leave it unreachable.
         with contextlib.suppress(OSError):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanostream.engine.runner.step_inputs import Chunk, Uploads, to_device
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, Uploads, to_device
 
 _ROWS_PER_PASS = 1024  # logits [rows, V] in float32 at a time: a long prompt never holds all of its [T, V]
 

@@ -4,10 +4,10 @@ The runner knows nothing of scheduling: it gets the step's chunks (which tokens 
 to compute, ``step_inputs.Chunk``) and returns the token sampled for every sequence whose chunk
 reached its end. Its helpers, by job: kv_pool.py (how many blocks, the allocation), step_inputs.py
 (packing a step), sampling_batch.py (sampling parameters as tensors, samples read back),
-cuda_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
+decode_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
 
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
-publishes the step to the others (``control``: engine/workers.py); every rank then runs it
+publishes the step to the others (``control``: engine/tp/workers.py); every rank then runs it
 (``launch_local``) in lockstep: the same packed inputs, the same CUDA-graph bucket, the same collectives.
 Rank 0 gathers the logits and samples; its samples are broadcast, since the next step may read them as
 inputs. The warm-up and the graph captures run on every rank alike, without a control message.
@@ -20,14 +20,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.engine.cuda_graphs import DecodeGraphs
-from nanostream.engine.kv_pool import (
+from nanostream.engine.runner.decode_graphs import DecodeGraphs
+from nanostream.engine.runner.kv_pool import (
     allocate_kv_pool,
     kv_block_bytes,
     kv_dtype,
@@ -36,12 +36,12 @@ from nanostream.engine.kv_pool import (
     short_chunk_steps,
     worst_step,
 )
-from nanostream.engine.prefill_graphs import PrefillGraphs
-from nanostream.engine.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
-from nanostream.engine.sampler import SamplerOutput, SamplingBatch, sample
-from nanostream.engine.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
+from nanostream.engine.runner.prefill_graphs import PrefillGraphs
+from nanostream.engine.runner.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
+from nanostream.engine.runner.sampler import SamplerOutput, SamplingBatch, sample
+from nanostream.engine.runner.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
+from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, pack_step, to_device
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Chunk, StepInputs, Uploads, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
@@ -49,7 +49,9 @@ from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
 
 if TYPE_CHECKING:
-    from nanostream.engine.workers import WorkerGroup
+    from contextlib import AbstractContextManager
+
+    from nanostream.errors import EngineDeadError
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
@@ -71,6 +73,14 @@ class InFlight:
     prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
 
 
+class StepControl(Protocol):
+    """What rank 0's runner asks of the other ranks (engine/tp/workers.py's ``WorkerGroup``): ``step`` publishes
+    a step that this rank runs inside (a failure: ``EngineDeadError``); ``dead``, the engine's death of ``exc``."""
+
+    def step(self, chunks: list[Chunk]) -> AbstractContextManager[None]: ...
+    def dead(self, exc: BaseException) -> EngineDeadError: ...
+
+
 def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
@@ -86,7 +96,7 @@ class ModelRunner:
         model_path: Path,
         *,
         tp: TensorParallel = SINGLE,
-        control: WorkerGroup | None = None,
+        control: StepControl | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)

@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanostream.engine.sampler import SamplerOutput, SamplingBatch
+from nanostream.engine.runner.sampler import SamplerOutput, SamplingBatch
+from nanostream.engine.runner.step_inputs import Uploads, to_device, to_device_packed
 from nanostream.engine.sequence import Sequence
-from nanostream.engine.step_inputs import Uploads, to_device, to_device_packed
 
 
 @dataclass
