@@ -80,6 +80,7 @@ from nanostream.client.launch import READY, EngineProcess
 from nanostream.config import ServerConfig
 from nanostream.options import add_engine_args
 from nanostream.protocol import EngineStats
+from nanostream.service import openai_workers
 
 WARMUP_REQUESTS = 16  # apps/bench.py's warm-up at its default --hf-batch-size
 THROUGHPUT_TARGET = 0.98  # streamed output tok/s ≥ 0.98 × offline through AsyncClient
@@ -370,16 +371,16 @@ def openai_service(model: Path, args, engine_kwargs: dict):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     base = f"http://127.0.0.1:{port}"
     try:
-        address = workers = None
+        address = None
         for line in proc.stdout:
             print(f"service: {line.rstrip()}", flush=True)
             if line.startswith(READY):
                 address = line[len(READY) :].strip()
-            elif line.startswith("nanostream: OpenAI API at"):
-                workers = int(line.split("(")[1].split()[0]) if "server processes" in line else 1
                 break
-        if address is None or workers is None:
+        if address is None:
             raise RuntimeError(f"the service did not start ({' '.join(cmd)})")
+        # the count `serve` starts: the same function on the same options and machine
+        workers = openai_workers(None if args.http_service == "auto" else args.http_service, engine_kwargs)
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep its pipe drained
         wait_healthy(base, proc, "the service's OpenAI API did not come up")
         kids = process_tree(proc.pid)[1:]

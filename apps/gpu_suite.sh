@@ -49,6 +49,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# NVLink multicast off for every engine this suite starts (a shared host; the library leaves NCCL's
+# environment to its entry points): nanostream.distributed.rendezvous.MULTICAST_OFF
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-gpu-out}; mkdir -p "$out"
 # What an earlier call's killed run left behind (an engine, frontend workers, client processes) would
 # hold the GPU and the CPUs: a stage starts on a quiet machine.
