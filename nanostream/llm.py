@@ -188,8 +188,8 @@ class LLM:
                     proc.put(delta)
                     if proc.detok is None and delta.finish_reason is None:
                         continue  # no stop strings: its deltas merge, and are decoded once at the end
-                    chunk = proc.take()  # raises for a request the engine failed; the rest are aborted below
-                    if proc.abort:  # a stop string ended it
+                    chunk, stop_now = proc.take()  # raises for a request the engine failed; the rest are aborted below
+                    if stop_now:  # a stop string ended it
                         self.engine.abort(delta.request_id, "stop")
                     if chunk is None:
                         continue

@@ -25,7 +25,7 @@ import anyio.to_thread
 import pytest
 from helpers import engine_processes, wait_idle
 
-from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
+from nanostream import LLM, AsyncClient, ClientClosedError, EngineDeadError, SamplingParams
 
 pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
 
@@ -363,6 +363,29 @@ def test_leaving_a_stream_aborts_it(engine, leave):
     assert held.running == 1 and held.free_kv_blocks < held.total_kv_blocks, "the request was running"
     assert elapsed < ABORT_WITHIN
     assert len(again.token_ids) == 3, "the client still works after leaving a stream"
+
+
+def test_a_client_connected_by_one_task_is_closed_by_another(engine):
+    """No task owns a client: one that connected and ended, another that streams, a third that closes."""
+
+    async def main():
+        client = AsyncClient(engine.address)
+        await asyncio.create_task(client.connect())  # that task has ended; the client goes on
+        stream = client.stream("The keeper wrote", **LONG)
+        first = await stream.__anext__()
+        async with AsyncClient(engine.address) as watcher:
+            held = await watcher.stats()
+            await asyncio.create_task(client.close())
+            with pytest.raises(ClientClosedError):
+                await stream.__anext__()
+            await client.close()  # again: nothing to do
+            with pytest.raises(ClientClosedError):
+                client.stream("The keeper wrote", **LONG)
+            return first, held, await wait_idle(watcher, ABORT_WITHIN)
+
+    first, held, elapsed = run(main)
+    assert first.token_ids and held.running == 1, "the request was running"
+    assert elapsed < ABORT_WITHIN, "closing the client aborted its request"
 
 
 # ---- 4. a client killed mid-stream --------------------------------------------------------------

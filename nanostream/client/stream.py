@@ -44,7 +44,7 @@ class Stream:
 
     def __init__(
         self,
-        client: Connection,
+        connection: Connection,
         prompt_token_ids: list[int],
         params: SamplingParams,
         timeout: float | None = None,
@@ -54,7 +54,7 @@ class Stream:
     ) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        self.client = client
+        self.connection = connection
         self.request_id = uuid.uuid4().hex
         self.prompt_token_ids = prompt_token_ids
         self.prompts = [prompt_token_ids, *extra_prompts]
@@ -75,7 +75,7 @@ class Stream:
             first = None
             for j, sp in enumerate(per_prompt):
                 index = p * len(per_prompt) + j
-                proc = OutputProcessor(client.tokenizer, prompt, sp, reasoning_parser=reasoning_parser, index=index)
+                proc = OutputProcessor(connection.tokenizer, prompt, sp, reasoning_parser=reasoning_parser, index=index)
                 sample = _Sample(sample_request_id(self.request_id, index), prompt, proc.params, proc)
                 self._samples.append(sample)
                 if first is None:
@@ -114,7 +114,7 @@ class Stream:
                 raise
 
     async def _send(self, sample: _Sample) -> None:
-        await self.client._submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
+        await self.connection.submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
         sample.sent = True
 
     async def __anext__(self) -> StreamChunk:
@@ -150,16 +150,14 @@ class Stream:
         for k in range(n):
             sample = open_[(self._turn + k) % n]
             proc = sample.processor
-            chunk = proc.take()
-            if proc.abort:  # a stop string: tell the engine to stop now
-                proc.abort = False
-                self.client._abort(sample.request_id)
+            chunk, stop_now = proc.take()
             if chunk is None:
                 continue
             self._turn = (self._turn + k + 1) % n
             if chunk.finish_reason is not None:
                 open_.remove(sample)
-                self.client._forget(sample.request_id)
+                # a stop string ended it: the engine stops it now; else it has finished there
+                (self.connection.abort if stop_now else self.connection.forget)(sample.request_id)
                 self._done = not open_
             return chunk, sample
         return None, None
@@ -169,7 +167,7 @@ class Stream:
             self._done = True
             for sample in self._open:
                 if sample.sent:
-                    self.client._abort(sample.request_id)
+                    self.connection.abort(sample.request_id)
 
     async def aclose(self) -> None:
         """Stop the stream; the engine aborts the request (nothing happens if it already finished)."""

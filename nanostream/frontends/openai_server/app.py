@@ -137,7 +137,7 @@ class _Server(Tokenization):
     async def _wait_and_connect(self, wait: EngineWait) -> None:
         """Find the engine, wait for it to listen, connect: all within ``wait``; then hold the client
         open until the lifespan cancels this at shutdown. A failure is ``gave_up``, not raised (this
-        task runs beside the lifespan, and an AsyncClient is closed by the task that connected it)."""
+        task runs beside the lifespan)."""
         try:
             address = await wait.find()
             while True:
@@ -154,7 +154,7 @@ class _Server(Tokenization):
                 self.client = client
                 self._connected()
                 await anyio.sleep_forever()
-            finally:  # (in the cancel scope it connected in, as an AsyncClient's task group needs)
+            finally:
                 await client.close()
         except Exception as exc:
             self.gave_up = str(exc)
@@ -251,7 +251,7 @@ class _Server(Tokenization):
         except InvalidRequestError as exc:
             raise template_error(exc) from None
         ids = body.truncated(ids, self.client.max_model_len, max_tokens)
-        stream = Stream(self.client, ids, params, reasoning_parser=self.reasoning_parser)
+        stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser)
         options = self._options(stream, body, chat=True, top_logprobs=logprobs)
         options.tool_parser = self.tool_parser if plan.parse else None
         options.reasoning = self.reasoning_parser is not None
