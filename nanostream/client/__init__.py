@@ -7,6 +7,8 @@ token deltas into text, and a launcher for an engine process of one's own (demos
     dealer.py         the ZeroMQ DEALER socket on the event loop
     mailbox.py        where the reader leaves a stream's deltas
     stream.py         Stream: one request as an async iterator of StreamChunk
+    samples.py        SampleGroup: a request's n samples (per prompt), their processors, followers and merge
+    prompts.py        what a prompt may be (one check, one error, for LLM and AsyncClient)
     shared.py         SharedClient: one AsyncClient for every session of a server (the Gradio chat)
     output_processor.py  deltas into text: detokenizing, stop strings, finish reason, usage
     detokenizer.py    incremental detokenization and stop strings

@@ -23,6 +23,7 @@ from typing import Any
 from nanostream import protocol as p
 from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
+from nanostream.client.prompts import as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
 from nanostream.outputs import Completion
@@ -104,13 +105,6 @@ class AsyncClient:
             return SamplingParams(**kwargs)
         return dataclasses.replace(sampling_params, **kwargs) if kwargs else sampling_params
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
     def stream(
         self,
         prompt: str | list[int] | list[str] | list[list[int]],
@@ -125,13 +119,24 @@ class AsyncClient:
         ``sampling_kwargs`` are SamplingParams fields (``max_tokens=64, temperature=0``), applied over
         ``sampling_params`` when both are given. ``timeout`` (seconds) bounds the whole request: the
         engine aborts it then and the stream raises ``RequestTimeoutError``. With ``n=3`` the three
-        samples' chunks interleave, each with its ``index``.
+        samples' chunks interleave, each with its ``index``. A prompt of another type raises
+        ``InvalidRequestError``, as ``LLM.generate`` does.
         """
+        return self._stream(prompt, sampling_params, timeout, sampling_kwargs)
+
+    def _stream(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None,
+        timeout: float | None,
+        kwargs: dict,
+        collect: bool = False,
+    ) -> Stream:
         self.connection.check_reachable()
-        params = self._params(sampling_params, sampling_kwargs)
-        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-        prompts = [self._prompt_ids(p) for p in (prompt if several else [prompt])]
-        return Stream(self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:])
+        params = self._params(sampling_params, kwargs)
+        # (no prompt at all: an empty one, which the engine refuses with its own message)
+        prompts = [prompt_ids(self.tokenizer, one) for one in as_prompts(prompt)] or [[]]
+        return Stream(self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:], collect=collect)
 
     def chat(
         self,
@@ -177,9 +182,10 @@ class AsyncClient:
         **sampling_kwargs: Any,
     ) -> Completion:
         """The whole completion of ``prompt``; with ``n`` > 1 its ``outputs`` hold every sample."""
-        async with self.stream(prompt, sampling_params, timeout=timeout, **sampling_kwargs) as stream:
-            chunks = [chunk async for chunk in stream]
-        return Completion.of(stream.request_id, chunks, logprobs=stream.params.logprobs is not None)
+        async with self._stream(prompt, sampling_params, timeout, sampling_kwargs, collect=True) as stream:
+            async for _ in stream:
+                pass
+        return stream.completion()
 
     async def stats(self) -> p.Stats:
         """The engine's counters: running and waiting requests, free KV blocks, clients."""

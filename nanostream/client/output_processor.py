@@ -87,8 +87,11 @@ class OutputProcessor:
     def take(self) -> tuple[StreamChunk | None, bool]:
         """Everything pending as one chunk (None if that adds nothing: no tokens, not the end), and whether
         the engine must stop the request now (a stop string ended the output while it still runs it)."""
-        delta, self.pending = self.pending, None
-        if delta is None or self.finish_reason is not None:
+        delta = self.pending
+        if delta is None or (self.detok is None and delta.finish_reason is None):
+            return None, False  # (not incremental: decoded once, at the end; the deltas merge until then)
+        self.pending = None
+        if self.finish_reason is not None:
             return None, False
         self.usage = delta.usage or self.usage
         prompt_logprobs = delta.prompt_logprobs if self.params.prompt_logprobs is not None else None
