@@ -11,17 +11,14 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanostream.client.chat_template import render_chat
-from nanostream.client.output_processor import OutputProcessor
+from nanostream.client.prompts import Prompt, as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
-from nanostream.client.samples import sample_params, sample_request_id
+from nanostream.client.samples import SampleGroup
 from nanostream.config import EngineConfig
 from nanostream.engine.grammar_text import parse as parse_grammar
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.errors import InvalidRequestError
-from nanostream.outputs import CompletionOutput, RequestOutput
+from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 def load_tokenizer(path: Any) -> Any:
@@ -80,11 +77,7 @@ class LLM:
         use_tqdm: bool,
         reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = as_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -94,17 +87,15 @@ class LLM:
             raise ValueError(
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt"
             )
-        requests = []
-        for prompt, p in zip(prompts, params):
-            if isinstance(prompt, str):
-                ids = self.tokenizer(prompt).input_ids
-            elif isinstance(prompt, SequenceABC):
-                ids = list(prompt)
-            else:
-                raise InvalidRequestError(
-                    f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-                )
-            requests.append((f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, p))
+        requests = [
+            (
+                f"offline-{next(self._ids)}",
+                prompt if isinstance(prompt, str) else None,
+                prompt_ids(self.tokenizer, prompt),
+                p,
+            )
+            for prompt, p in zip(prompts, params)
+        ]
         if reasoning_parser is not None:
             get_reasoning_parser(reasoning_parser)  # raises ValueError for an unknown name
         for spec in {p.structured_outputs for _, _, _, p in requests if p.structured_outputs is not None}:
@@ -131,7 +122,7 @@ class LLM:
             llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompt_ids = [
+        rendered = [
             render_chat(
                 self.tokenizer,
                 c,
@@ -142,36 +133,28 @@ class LLM:
             )
             for c in conversations
         ]
-        return self._generate(prompt_ids, sampling_params, use_tqdm, reasoning_parser)
+        return self._generate(rendered, sampling_params, use_tqdm, reasoning_parser)
 
     def _run(self, requests: list, use_tqdm: bool, reasoning_parser: str | None) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
-        procs: dict[str, OutputProcessor] = {}  # by engine request id: one per sample
-        samples: dict[str, tuple[str, CompletionOutput]] = {}  # engine request id -> (request id, its output)
-        later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}  # a first sample's id -> the others
-        for rid, text, ids, p in requests:
-            outputs[rid] = RequestOutput(rid, text, ids, logprobs=[] if p.logprobs is not None else None)
-            for i, sp in enumerate(sample_params(p)):
-                sid = sample_request_id(rid, i)
-                procs[sid] = OutputProcessor(
-                    self.tokenizer, ids, sp, incremental=False, reasoning_parser=reasoning_parser, index=i
-                )
-                samples[sid] = rid, CompletionOutput(i, logprobs=[] if p.logprobs is not None else None)
-                outputs[rid].outputs.append(samples[sid][1])
-                if i:
-                    later.setdefault(rid, []).append((sid, ids, procs[sid].params))
+        groups = [
+            SampleGroup(
+                rid, self.tokenizer, [ids], p, reasoning_parser=reasoning_parser, incremental=False, collect=True
+            )
+            for rid, _, ids, p in requests
+        ]
+        samples = {s.request_id: (group, s) for group in groups for s in group.samples}  # by engine request id
         # Validated, now added (a bad prompt left the engine untouched). Of n > 1 samples the first goes
         # now, the others once it has a token (client/samples.py).
-        added = []
+        pending: set[str] = set()  # engine request ids in the engine, unfinished
         try:
-            for rid, _, ids, _ in requests:
-                self.engine.add_request(rid, ids, procs[sample_request_id(rid, 0)].params)
-                added.append(rid)
+            for group in groups:
+                for sample in group.leaders:
+                    self.engine.add_request(sample.request_id, sample.prompt, sample.params)
+                    pending.add(sample.request_id)
         except Exception:
-            for rid in added:
+            for rid in pending:
                 self.engine.abort(rid)
             raise
-        pending = {rid for rid, *_ in requests}  # engine request ids in the engine, unfinished
         bar = tqdm(total=len(samples), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         prefill_tokens = decode_tokens = 0
         start = time.perf_counter()
@@ -181,31 +164,15 @@ class LLM:
                 prefill_tokens += result.num_prefill_tokens
                 decode_tokens += result.num_decode_tokens
                 for delta in result.deltas:
-                    for sid, ids, sp in later.pop(delta.request_id, ()):  # its prompt's blocks are cached now
-                        self.engine.add_request(sid, ids, sp)
-                        pending.add(sid)
-                    proc = procs[delta.request_id]
-                    proc.put(delta)
-                    if proc.detok is None and delta.finish_reason is None:
-                        continue  # no stop strings: its deltas merge, and are decoded once at the end
-                    chunk = proc.take()  # raises for a request the engine failed; the rest are aborted below
-                    if proc.abort:  # a stop string ended it
+                    group, sample = samples[delta.request_id]
+                    for follower in group.followers_of(sample):  # its prompt's blocks are cached now
+                        self.engine.add_request(follower.request_id, follower.prompt, follower.params)
+                        pending.add(follower.request_id)
+                    sample.processor.put(delta)
+                    chunk, stop_now = group.take(sample)  # raises for a request the engine failed (see finally)
+                    if stop_now:  # a stop string ended it
                         self.engine.abort(delta.request_id, "stop")
-                    if chunk is None:
-                        continue
-                    rid, out = samples[delta.request_id]
-                    out.token_ids += chunk.token_ids
-                    out.text += chunk.text
-                    if chunk.reasoning_content:
-                        out.reasoning_content = (out.reasoning_content or "") + chunk.reasoning_content
-                    if out.logprobs is not None:
-                        out.logprobs += chunk.logprobs
-                    if chunk.prompt_logprobs is not None:
-                        outputs[rid].prompt_logprobs = chunk.prompt_logprobs
-                    if chunk.finish_reason is not None:
-                        out.finish_reason, out.stop_reason = chunk.finish_reason, proc.stop_reason
-                        if out.index == 0:
-                            outputs[rid].num_cached_tokens = chunk.usage.cached_tokens
+                    if chunk is not None and chunk.finish_reason is not None:
                         pending.discard(delta.request_id)
                         bar.update(1)
                 elapsed = time.perf_counter() - start
@@ -216,12 +183,14 @@ class LLM:
             bar.close()
             for rid in pending:  # interrupted (Ctrl-C, an error): leave nothing running in the engine
                 self.engine.abort(rid)
-        for out in outputs.values():  # the top-level fields are the first sample's
-            first = out.outputs[0]
-            out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
-            out.stop_reason, out.logprobs, out.reasoning_content = (
-                first.stop_reason,
-                first.logprobs,
-                first.reasoning_content,
+        return [
+            RequestOutput.of(
+                group.request_id,
+                text,
+                ids,
+                group.outputs(),
+                group.samples[0].processor.usage.cached_tokens,
+                group.prompt_logprobs(),
             )
-        return [outputs[rid] for rid, *_ in requests]
+            for group, (_, text, ids, _) in zip(groups, requests)
+        ]

@@ -2,11 +2,10 @@
 (each item of ``AsyncClient.stream``) and ``Completion`` (``AsyncClient.generate``, all chunks
 merged); with ``n`` > 1 each holds every sample as a ``CompletionOutput``. The engine's per-step
 progress is ``protocol.RequestDelta``; the output processor (client/output_processor.py) turns
-deltas into these."""
+deltas into chunks, and a sample group (client/samples.py) merges those into the others."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nanostream.protocol import Usage
@@ -26,6 +25,24 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     reasoning_content: str | None = None  # with a reasoning parser: the reasoning (``text`` is the rest)
+
+    @classmethod
+    def of(
+        cls, index: int, chunks: list[StreamChunk], logprobs: bool, stop_reason: str | int | None = None
+    ) -> CompletionOutput:
+        """One sample's chunks merged: all its text, ids and (when ``logprobs``) logprobs, the last finish
+        reason. The one merge of chunks into an output, for ``LLM`` and ``AsyncClient`` alike."""
+        reasoning = "".join(c.reasoning_content for c in chunks) or None
+        finish = next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None)
+        return cls(
+            index,
+            "".join(c.text for c in chunks),
+            [t for c in chunks for t in c.token_ids],
+            finish,
+            stop_reason,
+            [lp for c in chunks for lp in c.logprobs or ()] if logprobs else None,
+            reasoning,
+        )
 
 
 @dataclass
@@ -49,6 +66,33 @@ class RequestOutput:
     reasoning_content: str | None = None  # with a reasoning parser: the reasoning (``text`` is the rest)
     prompt_logprobs: PromptLogprobs | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        outputs: list[CompletionOutput],
+        num_cached_tokens: int,
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> RequestOutput:
+        """The result of one prompt from its samples' outputs (the top-level fields are the first one's)."""
+        first = outputs[0]
+        return cls(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            first.token_ids,
+            first.text,
+            first.finish_reason,
+            num_cached_tokens,
+            first.logprobs,
+            first.stop_reason,
+            first.reasoning_content,
+            prompt_logprobs,
+            outputs,
+        )
 
 
 @dataclass
@@ -84,34 +128,15 @@ class Completion:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
     @classmethod
-    def of(cls, request_id: str, chunks: Iterable[StreamChunk], logprobs: bool) -> Completion:
-        """All text, ids and (when ``logprobs``) logprobs of ``chunks``, per sample; each sample's last
-        finish reason; usage summed over the samples (the prompt once)."""
-        samples: dict[int, CompletionOutput] = {}
-        texts: dict[int, list[str]] = {}
-        reasoning: dict[int, list[str]] = {}
-        usages: dict[int, Usage] = {}
-        prompt_logprobs = None
-        for chunk in chunks:
-            out = samples.setdefault(chunk.index, CompletionOutput(chunk.index, logprobs=[] if logprobs else None))
-            texts.setdefault(chunk.index, []).append(chunk.text)
-            reasoning.setdefault(chunk.index, []).append(chunk.reasoning_content)
-            out.token_ids += chunk.token_ids
-            if logprobs:
-                out.logprobs += chunk.logprobs or []
-            out.finish_reason = chunk.finish_reason or out.finish_reason
-            if chunk.usage is not None:
-                usages[chunk.index] = chunk.usage
-            prompt_logprobs = prompt_logprobs or chunk.prompt_logprobs
-        outputs = [samples[i] for i in sorted(samples)] or [CompletionOutput(0, logprobs=[] if logprobs else None)]
-        for out in outputs:
-            out.text = "".join(texts.get(out.index, []))
-            out.reasoning_content = "".join(reasoning.get(out.index, [])) or None
+    def of(
+        cls,
+        request_id: str,
+        outputs: list[CompletionOutput],
+        usage: Usage | None,
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> Completion:
+        """The whole output from its samples' outputs (the top-level fields are the first one's)."""
         first = outputs[0]
-        usage = None
-        if usages:
-            lead = usages[min(usages)]
-            usage = Usage(lead.prompt_tokens, sum(u.completion_tokens for u in usages.values()), lead.cached_tokens)
         return cls(
             request_id,
             first.text,

@@ -335,7 +335,7 @@ async def test_lookalike_identity_cannot_abort_another_clients_request(engine, l
     must still not reach that client's requests (and the victim's stream must get its ending)."""
     expected = offline(llm, PROMPT, **GREEDY)
     victim = AsyncClient(engine.address)
-    victim.client_id = "ab" * 8  # its routing id is the ASCII text "abab..."
+    victim.connection.client_id = "ab" * 8  # its routing id is the ASCII text "abab..."
     async with victim:
         stream = victim.stream(PROMPT, **GREEDY)
         first = await stream.__anext__()

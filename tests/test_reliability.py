@@ -500,7 +500,7 @@ async def test_a_bug_escaping_the_socket_handling_stops_the_engine_and_every_cli
             raise SystemExit("a bug that escapes every handler")
 
         server.transport._receive = explode
-        client._send_now(p.encode(p.Heartbeat()))
+        client.connection._dealer.send(p.encode(p.Heartbeat()))  # a frame for the exploding handler
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="a bug that escapes every handler"):
             async for _ in stream:

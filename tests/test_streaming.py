@@ -18,6 +18,7 @@ import random
 import signal
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -25,7 +26,7 @@ import anyio.to_thread
 import pytest
 from helpers import engine_processes, wait_idle
 
-from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
+from nanostream import LLM, AsyncClient, ClientClosedError, EngineDeadError, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
 
@@ -146,6 +147,45 @@ def test_stream_generate_and_chat_match_offline(engine, llm):
     )
     assert completion.usage.completion_tokens == len(refs[0].token_ids)
     assert_matches(chat, chat_ref)
+
+
+def test_n_samples_merge_into_the_same_outputs_through_llm_and_async_client(engine, llm):
+    """One sample group serves both: seeded samples, some ended by a stop string, merge into equal outputs."""
+    prompts = ["The keeper wrote", [11, 12, 13]]
+    base = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=24, ignore_eos=True)
+    probe = llm.generate(prompts[0], base, use_tqdm=False)[0].outputs[1].text
+    assert len(probe) >= 8, probe
+    params = replace(base, stop=[probe[5:8]])  # sample 1 of the first prompt ends by it
+    refs = llm.generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        async with AsyncClient(engine.address) as client:
+            return [await client.generate(prompt, params) for prompt in prompts]
+
+    for completion, ref in zip(run(main), refs):
+        assert completion.outputs == ref.outputs and len(ref.outputs) == 3
+        assert (completion.text, completion.token_ids, completion.finish_reason) == (
+            ref.text,
+            ref.token_ids,
+            ref.finish_reason,
+        )
+        assert completion.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert completion.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+    assert refs[0].outputs[1].stop_reason == probe[5:8] and refs[0].outputs[1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt", [123, None, {"prompt": "hi"}, [1.5, 2.5]], ids=["int", "none", "dict", "floats"])
+def test_a_prompt_of_another_type_raises_the_same_error_offline_and_streamed(engine, llm, prompt):
+    with pytest.raises(InvalidRequestError, match="a prompt must be a string or a list of token ids") as offline:
+        llm.generate(prompt, use_tqdm=False)
+
+    async def main():
+        async with AsyncClient(engine.address) as client:
+            with pytest.raises(InvalidRequestError) as streamed:
+                client.stream(prompt, max_tokens=4)
+            return streamed.value
+
+    assert str(run(main)) == str(offline.value)
 
 
 def test_tokens_arrive_as_they_are_generated(engine):
@@ -363,6 +403,29 @@ def test_leaving_a_stream_aborts_it(engine, leave):
     assert held.running == 1 and held.free_kv_blocks < held.total_kv_blocks, "the request was running"
     assert elapsed < ABORT_WITHIN
     assert len(again.token_ids) == 3, "the client still works after leaving a stream"
+
+
+def test_a_client_connected_by_one_task_is_closed_by_another(engine):
+    """No task owns a client: one that connected and ended, another that streams, a third that closes."""
+
+    async def main():
+        client = AsyncClient(engine.address)
+        await asyncio.create_task(client.connect())  # that task has ended; the client goes on
+        stream = client.stream("The keeper wrote", **LONG)
+        first = await stream.__anext__()
+        async with AsyncClient(engine.address) as watcher:
+            held = await watcher.stats()
+            await asyncio.create_task(client.close())
+            with pytest.raises(ClientClosedError):
+                await stream.__anext__()
+            await client.close()  # again: nothing to do
+            with pytest.raises(ClientClosedError):
+                client.stream("The keeper wrote", **LONG)
+            return first, held, await wait_idle(watcher, ABORT_WITHIN)
+
+    first, held, elapsed = run(main)
+    assert first.token_ids and held.running == 1, "the request was running"
+    assert elapsed < ABORT_WITHIN, "closing the client aborted its request"
 
 
 # ---- 4. a client killed mid-stream --------------------------------------------------------------

@@ -11,8 +11,8 @@ request's tokens. Text is decoded here, in the client, incrementally (see
 ``IncrementalDetokenizer``). Leaving a stream early (break, cancel, ``aclose()``) aborts its request
 in the engine at once.
 
-The connection itself (registration, heartbeats, the reader, reconnecting) is ``Connection``
-(connection.py).
+The client has a ``Connection`` (connection.py: registration, heartbeats, the reader,
+reconnecting), which any task may close.
 """
 
 from __future__ import annotations
@@ -20,22 +20,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import anyio
-
 from nanostream import protocol as p
 from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
+from nanostream.client.prompts import as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
-from nanostream.errors import ConnectionLostError, EngineDeadError
 from nanostream.outputs import Completion
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["ADDRESS_ENV", "AUTH_TOKEN_ENV", "AsyncClient"]
 
 
-class AsyncClient(Connection):
-    """A connection to one engine process.
+class AsyncClient:
+    """A client of one engine process.
 
     ``address`` defaults to the ``NANOSTREAM_ADDRESS`` environment variable, ``auth_token`` to
     ``NANOSTREAM_AUTH_TOKEN``. ``timeout`` bounds connecting, how long a request waits for the client
@@ -50,6 +48,17 @@ class AsyncClient(Connection):
                 print(chunk.text, end="")
     """
 
+    def __init__(self, address: str | None = None, *, timeout: float = 10.0, auth_token: str | None = None) -> None:
+        self.connection = Connection(address, timeout=timeout, auth_token=auth_token)
+
+    async def connect(self) -> None:
+        """Connect (``async with`` does): EngineDeadError if no engine answers within ``timeout``."""
+        await self.connection.connect()
+
+    async def close(self) -> None:
+        """Abort this client's open streams and disconnect; any task may. Safe to call twice."""
+        await self.connection.close()
+
     async def __aenter__(self) -> AsyncClient:
         await self.connect()
         return self
@@ -58,36 +67,43 @@ class AsyncClient(Connection):
         await self.close()
 
     @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def timeout(self) -> float:
+        return self.connection.timeout
+
+    @property
+    def client_id(self) -> str:
+        """This client's id in the engine's stats."""
+        return self.connection.client_id
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (a transformers tokenizer), loaded when connecting."""
+        return self.connection.tokenizer
+
+    @property
     def model(self) -> str:
-        self._check_open()
-        return self._welcome.model
+        return self.connection.welcome.model
 
     @property
     def max_model_len(self) -> int:
-        self._check_open()
-        return self._welcome.max_model_len
+        return self.connection.welcome.max_model_len
 
     @property
     def chat_template(self) -> str | None:
-        self._check_open()
-        return self._welcome.chat_template
+        return self.connection.welcome.chat_template
 
     @property
     def eos_token_ids(self) -> list[int]:
-        self._check_open()
-        return self._welcome.eos_token_ids
+        return self.connection.welcome.eos_token_ids
 
     def _params(self, sampling_params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
         if sampling_params is None:
             return SamplingParams(**kwargs)
         return dataclasses.replace(sampling_params, **kwargs) if kwargs else sampling_params
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def stream(
         self,
@@ -103,13 +119,24 @@ class AsyncClient(Connection):
         ``sampling_kwargs`` are SamplingParams fields (``max_tokens=64, temperature=0``), applied over
         ``sampling_params`` when both are given. ``timeout`` (seconds) bounds the whole request: the
         engine aborts it then and the stream raises ``RequestTimeoutError``. With ``n=3`` the three
-        samples' chunks interleave, each with its ``index``.
+        samples' chunks interleave, each with its ``index``. A prompt of another type raises
+        ``InvalidRequestError``, as ``LLM.generate`` does.
         """
-        self._check_reachable()
-        params = self._params(sampling_params, sampling_kwargs)
-        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-        prompts = [self._prompt_ids(p) for p in (prompt if several else [prompt])]
-        return Stream(self, prompts[0], params, timeout, extra_prompts=prompts[1:])
+        return self._stream(prompt, sampling_params, timeout, sampling_kwargs)
+
+    def _stream(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None,
+        timeout: float | None,
+        kwargs: dict,
+        collect: bool = False,
+    ) -> Stream:
+        self.connection.check_reachable()
+        params = self._params(sampling_params, kwargs)
+        # (no prompt at all: an empty one, which the engine refuses with its own message)
+        prompts = [prompt_ids(self.tokenizer, one) for one in as_prompts(prompt)] or [[]]
+        return Stream(self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:], collect=collect)
 
     def chat(
         self,
@@ -133,7 +160,7 @@ class AsyncClient(Connection):
 
             client.chat(msgs, chat_template_kwargs={"enable_thinking": False}, reasoning_parser="qwen3")
         """
-        self._check_reachable()
+        self.connection.check_reachable()
         if reasoning_parser is not None:
             get_reasoning_parser(reasoning_parser)  # an unknown name: ValueError now
         ids = render_chat(
@@ -144,7 +171,7 @@ class AsyncClient(Connection):
             chat_template_kwargs=chat_template_kwargs,
         )
         params = self._params(sampling_params, sampling_kwargs)
-        return Stream(self, ids, params, timeout, reasoning_parser=reasoning_parser)
+        return Stream(self.connection, ids, params, timeout, reasoning_parser=reasoning_parser)
 
     async def generate(
         self,
@@ -155,20 +182,11 @@ class AsyncClient(Connection):
         **sampling_kwargs: Any,
     ) -> Completion:
         """The whole completion of ``prompt``; with ``n`` > 1 its ``outputs`` hold every sample."""
-        async with self.stream(prompt, sampling_params, timeout=timeout, **sampling_kwargs) as stream:
-            chunks = [chunk async for chunk in stream]
-        return Completion.of(stream.request_id, chunks, logprobs=stream.params.logprobs is not None)
+        async with self._stream(prompt, sampling_params, timeout, sampling_kwargs, collect=True) as stream:
+            async for _ in stream:
+                pass
+        return stream.completion()
 
     async def stats(self) -> p.Stats:
         """The engine's counters: running and waiting requests, free KV blocks, clients."""
-        await self._ready()
-        event, slot = anyio.Event(), []
-        self._stats_waiters.append((event, slot))
-        if not self._send_now(p.encode(p.GetStats())):
-            self._stats_waiters.remove((event, slot))
-            raise ConnectionLostError(f"lost the connection to the engine at {self.address}; nothing was sent")
-        with anyio.fail_after(self.timeout):
-            await event.wait()
-        if not slot:
-            raise EngineDeadError(str(self._dead or self._lost or "the client was closed"))
-        return slot[0]
+        return await self.connection.stats()

@@ -5,7 +5,8 @@
                             on the last one; an engine-side error raised as its exception
 
 No torch, no I/O: the caller feeds deltas (from ``LLMEngine.step()`` or the client's socket) and acts
-on ``abort`` (a stop string ended the output before the engine did: tell the engine to stop).
+on what ``take()`` says: stop now (a stop string ended the output before the engine did: tell the
+engine to stop).
 With a reasoning parser the final text is split into reasoning and content last of all.
 """
 
@@ -71,7 +72,6 @@ class OutputProcessor:
         self.usage: Usage | None = None
         self.finish_reason: str | None = None  # once the last chunk was taken
         self.stop_reason: str | int | None = None  # the stop string, or the stop token id, that ended it
-        self.abort = False  # a stop string ended the output while the engine still runs the request
 
     @property
     def ends_pending(self) -> bool:
@@ -84,11 +84,15 @@ class OutputProcessor:
         else:
             self.pending.merge(delta)
 
-    def take(self) -> StreamChunk | None:
-        """Everything pending as one chunk; None if that adds nothing (no tokens, not the end)."""
-        delta, self.pending = self.pending, None
-        if delta is None or self.finish_reason is not None:
-            return None
+    def take(self) -> tuple[StreamChunk | None, bool]:
+        """Everything pending as one chunk (None if that adds nothing: no tokens, not the end), and whether
+        the engine must stop the request now (a stop string ended the output while it still runs it)."""
+        delta = self.pending
+        if delta is None or (self.detok is None and delta.finish_reason is None):
+            return None, False  # (not incremental: decoded once, at the end; the deltas merge until then)
+        self.pending = None
+        if self.finish_reason is not None:
+            return None, False
         self.usage = delta.usage or self.usage
         prompt_logprobs = delta.prompt_logprobs if self.params.prompt_logprobs is not None else None
         finish = delta.finish_reason
@@ -97,7 +101,7 @@ class OutputProcessor:
             default = InvalidRequestError if finish == "error" else EngineDeadError
             self.finish_reason = finish
             raise REQUEST_ERRORS.get(delta.code or "", default)(delta.error or "the engine rejected the request")
-        ids, logprobs, text = delta.token_ids, delta.logprobs, ""
+        ids, logprobs, text, stop_now = delta.token_ids, delta.logprobs, "", False
         if self.detok is not None:
             seen = self.detok.num_output_tokens
             text = self.detok.add(ids)
@@ -106,11 +110,11 @@ class OutputProcessor:
                 # engine sent meanwhile.
                 used = self.detok.num_output_tokens - seen
                 ids, logprobs = ids[:used], logprobs[:used]
-                self.abort, self.stop_reason, finish = finish is None, self.detok.stopped_by, "stop"
+                stop_now, self.stop_reason, finish = finish is None, self.detok.stopped_by, "stop"
         self.token_ids += ids
         lps = logprobs if self.params.logprobs is not None else None
         if finish is None:
-            return self._chunk(text, ids, None, None, lps, prompt_logprobs, False) if ids else None
+            return (self._chunk(text, ids, None, None, lps, prompt_logprobs, False) if ids else None), False
         self.finish_reason = finish
         if self.detok is not None:
             text += self.detok.finish()
@@ -125,7 +129,7 @@ class OutputProcessor:
             self.stop_reason = self.token_ids[-1]  # EOS or one of stop_token_ids
         usage = self.usage or Usage(len(self.prompt_token_ids), 0)
         self.usage = Usage(usage.prompt_tokens, len(self.token_ids), usage.cached_tokens)
-        return self._chunk(text, ids, finish, self.usage, lps, prompt_logprobs, True)
+        return self._chunk(text, ids, finish, self.usage, lps, prompt_logprobs, True), stop_now
 
     def _chunk(self, text: str, ids: list[int], finish, usage, logprobs, prompt_logprobs, last: bool) -> StreamChunk:
         reasoning = ""

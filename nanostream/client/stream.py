@@ -1,9 +1,9 @@
 """One request's output stream: the async iterator that drains the request's mailbox (which the
-connection's reader fills) through its ``OutputProcessor``.
+connection's reader fills) through its sample group's output processors.
 
-With ``n`` > 1 (or several prompts) one stream carries several engine requests, one per sample,
-each with its own processor: their chunks interleave, each with its ``index``. A prompt's first
-sample is sent at once and its other samples after its first chunk (client/samples.py).
+With ``n`` > 1 (or several prompts) one stream carries several engine requests, one per sample
+(client/samples.py): their chunks interleave, each with its ``index``. A prompt's first sample is
+sent at once and its other samples after its first chunk.
 """
 
 from __future__ import annotations
@@ -15,23 +15,11 @@ from typing import Any
 
 from nanostream.client.connection import Connection
 from nanostream.client.mailbox import Mailbox
-from nanostream.client.output_processor import OutputProcessor
-from nanostream.client.samples import sample_params, sample_request_id
+from nanostream.client.samples import Sample, SampleGroup
 from nanostream.outputs import Completion, StreamChunk
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["Completion", "Stream", "StreamChunk"]
-
-
-class _Sample:
-    """One engine request of a stream: sample ``index`` of its prompt."""
-
-    __slots__ = ("followers", "params", "processor", "prompt", "request_id", "sent")
-
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, processor: OutputProcessor) -> None:
-        self.request_id, self.prompt, self.params, self.processor = request_id, prompt, params, processor
-        self.sent = False
-        self.followers: list[_Sample] = []  # the prompt's other samples, sent after this one's first chunk
 
 
 class Stream:
@@ -39,27 +27,37 @@ class Stream:
 
     The request is sent on the first ``__anext__`` (or on entering ``async with``). Leaving early
     (break, cancellation, ``aclose()``) aborts it in the engine. ``extra_prompts`` are completed with
-    the same parameters in the same stream: sample j of prompt p has index ``p * n + j``.
+    the same parameters in the same stream: sample j of prompt p has index ``p * n + j``. ``collect``
+    keeps every chunk, for ``completion()``.
     """
 
     def __init__(
         self,
-        client: Connection,
+        connection: Connection,
         prompt_token_ids: list[int],
         params: SamplingParams,
         timeout: float | None = None,
         *,
         reasoning_parser: str | None = None,
         extra_prompts: Sequence[list[int]] = (),
+        collect: bool = False,
     ) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        self.client = client
+        self.connection = connection
         self.request_id = uuid.uuid4().hex
         self.prompt_token_ids = prompt_token_ids
         self.prompts = [prompt_token_ids, *extra_prompts]
         self.params = params
         self.timeout = timeout
+        self.group = SampleGroup(
+            self.request_id,
+            connection.tokenizer,
+            self.prompts,
+            params,
+            reasoning_parser=reasoning_parser,
+            collect=collect,
+        )
         self._mailbox: Mailbox | None = None
         self._done = False
         # When the engine produced the newest token of the last chunk: its time.monotonic(), which on the
@@ -68,23 +66,6 @@ class Stream:
         # When this process's reader took that token off the socket (time.monotonic()): received -
         # produced is the wire's part of the delivery latency, the rest this process's event loop.
         self.received: float | None = None
-        self._samples: list[_Sample] = []
-        self._leaders: list[_Sample] = []  # each prompt's first sample, sent at the start
-        per_prompt = sample_params(params)
-        for p, prompt in enumerate(self.prompts):
-            first = None
-            for j, sp in enumerate(per_prompt):
-                index = p * len(per_prompt) + j
-                proc = OutputProcessor(client.tokenizer, prompt, sp, reasoning_parser=reasoning_parser, index=index)
-                sample = _Sample(sample_request_id(self.request_id, index), prompt, proc.params, proc)
-                self._samples.append(sample)
-                if first is None:
-                    first = sample
-                    self._leaders.append(sample)
-                else:
-                    first.followers.append(sample)
-        self._open = list(self._samples)  # samples that have not finished
-        self._turn = 0  # where the next scan for a chunk starts: no sample starves the others
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,15 +87,15 @@ class Stream:
     async def _start(self) -> None:
         if self._mailbox is None:
             try:
-                self._mailbox = Mailbox({s.request_id: s.processor for s in self._samples})
-                for sample in self._leaders:
+                self._mailbox = Mailbox(self.group.processors)
+                for sample in self.group.leaders:
                     await self._send(sample)
             except BaseException:
                 self._close_now()
                 raise
 
-    async def _send(self, sample: _Sample) -> None:
-        await self.client._submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
+    async def _send(self, sample: Sample) -> None:
+        await self.connection.submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
         sample.sent = True
 
     async def __anext__(self) -> StreamChunk:
@@ -122,20 +103,23 @@ class Stream:
             raise StopAsyncIteration
         if self._mailbox is None:
             await self._start()
-        mailbox = self._mailbox
-        single = len(self._samples) == 1  # one request: wait, then take, as ever
+        mailbox, group = self._mailbox, self.group
+        single = len(group.samples) == 1  # one request: wait, then take, as ever
         try:
             while True:
                 if single:
                     await mailbox.wait()
-                chunk, sample = self._take()
+                sample, chunk, stop_now = group.take_any()
                 if chunk is None:
                     if not single:  # several: every sample's pending output is taken before waiting
                         await mailbox.wait()
                     continue
+                if chunk.finish_reason is not None:
+                    # a stop string ended it: the engine stops it now; else it has finished there
+                    (self.connection.abort if stop_now else self.connection.forget)(sample.request_id)
+                    self._done = not group.open
                 if sample.followers:  # the prompt's blocks are cached now: its other samples go
-                    followers, sample.followers = sample.followers, []
-                    for follower in followers:
+                    for follower in group.followers_of(sample):
                         await self._send(follower)
                 self.produced, self.received = mailbox.produced, mailbox.received
                 return chunk
@@ -143,33 +127,16 @@ class Stream:
             self._close_now()
             raise
 
-    def _take(self) -> tuple[StreamChunk | None, _Sample | None]:
-        """The next chunk of any sample that has one (and that sample), or (None, None)."""
-        open_ = self._open
-        n = len(open_)
-        for k in range(n):
-            sample = open_[(self._turn + k) % n]
-            proc = sample.processor
-            chunk = proc.take()
-            if proc.abort:  # a stop string: tell the engine to stop now
-                proc.abort = False
-                self.client._abort(sample.request_id)
-            if chunk is None:
-                continue
-            self._turn = (self._turn + k + 1) % n
-            if chunk.finish_reason is not None:
-                open_.remove(sample)
-                self.client._forget(sample.request_id)
-                self._done = not open_
-            return chunk, sample
-        return None, None
+    def completion(self) -> Completion:
+        """Every chunk of the finished stream merged (a stream made with ``collect=True``)."""
+        return self.group.completion()
 
     def _close_now(self) -> None:
         if not self._done:
             self._done = True
-            for sample in self._open:
+            for sample in self.group.open:
                 if sample.sent:
-                    self.client._abort(sample.request_id)
+                    self.connection.abort(sample.request_id)
 
     async def aclose(self) -> None:
         """Stop the stream; the engine aborts the request (nothing happens if it already finished)."""

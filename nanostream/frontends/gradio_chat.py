@@ -26,24 +26,21 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import gradio as gr
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
-from nanostream.client.stream import Stream
+from nanostream.client.shared import ClientFactory, SharedClient
 from nanostream.discovery import discover
-from nanostream.errors import ClientClosedError, EngineDeadError, InvalidRequestError, NanostreamError
+from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-ClientFactory = Callable[[], AsyncClient]
-"""Returns a new, unconnected AsyncClient: ``lambda: AsyncClient(address, timeout=2)``."""
 
 DEFAULT_TITLE = "nanostream chat"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -54,66 +51,6 @@ STATUS_EVERY = 5.0
 """Seconds between a page's checks of the engine (the banner comes or goes with the next one)."""
 STATUS_WAIT = 3.0
 """Seconds a check waits for the engine's answer before the banner says it is not answering."""
-
-
-class SharedClient:
-    """The one ``AsyncClient`` of an app process, shared by every session, replaced once it has died.
-
-    An AsyncClient's sockets belong to the event loop that connected it, and its reader tasks to the
-    task that connected it, which must also close it. So it is connected on the loop Gradio runs async
-    handlers on (checked at each use: a relaunched app runs on a new loop), by a task of its own that
-    lives as long as the client, not inside one session's handler, which a stop button cancels.
-    """
-
-    def __init__(self, factory: ClientFactory) -> None:
-        self._factory = factory
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready: asyncio.Future[AsyncClient] | None = None  # the connected client, or why not
-        self._release: asyncio.Event | None = None  # set: the owner task closes its client
-        self._owner: asyncio.Task | None = None  # held here: the loop keeps only a weak reference to a task
-        self.address = factory().address  # a client that never connects: this checks the address now
-
-    async def get(self, stale: AsyncClient | None = None) -> AsyncClient:
-        """The connected client, connecting a new one if there is none, it failed, or it is ``stale``."""
-        loop = asyncio.get_running_loop()
-        ready = self._ready
-        if (
-            ready is None
-            or self._loop is not loop
-            or (ready.done() and (ready.cancelled() or ready.exception() is not None or ready.result() is stale))
-        ):
-            if self._loop is loop and self._release is not None:
-                self._release.set()
-            self._loop, self._ready, self._release = loop, loop.create_future(), asyncio.Event()
-            self._owner = loop.create_task(self._own(self._factory(), self._ready, self._release))
-            ready = self._ready
-        # shield: a session cancelled while it waits must not cancel the connection other sessions share
-        return await asyncio.shield(ready)
-
-    async def chat(self, messages: list[dict[str, str]], params: SamplingParams) -> Stream:
-        """``AsyncClient.chat`` on the shared client, reconnecting once if the engine went away meanwhile."""
-        client = await self.get()
-        try:
-            return client.chat(messages, params)
-        except (EngineDeadError, ClientClosedError):
-            client = await self.get(stale=client)
-            return client.chat(messages, params)
-
-    async def _own(self, client: AsyncClient, ready: asyncio.Future, release: asyncio.Event) -> None:
-        self.address = client.address
-        try:
-            await client.connect()
-        except Exception as exc:
-            ready.set_exception(exc)
-            return
-        except BaseException:
-            ready.cancel()
-            raise
-        ready.set_result(client)
-        try:
-            await release.wait()
-        finally:
-            await client.close()
 
 
 def conversation(system_prompt: str, history: list[dict[str, Any]], message: str) -> list[dict[str, str]]:
@@ -195,8 +132,8 @@ def build_app(
         text = ""
         try:
             params = dataclasses.replace(sampling, temperature=temperature, top_p=top_p, max_tokens=int(max_tokens))
-            stream = await shared.chat(messages, params)
-            client, prompt_len = stream.client, len(stream.prompt_token_ids)
+            client, stream = await shared.chat(messages, params)
+            prompt_len = len(stream.prompt_token_ids)
             room = client.max_model_len - prompt_len
             if room < 1:
                 raise InvalidRequestError(

@@ -79,7 +79,7 @@ class _Server(Generation, Tokenization):
     async def _wait_and_connect(self, wait: EngineWait) -> None:
         """Find the engine, wait for it to listen, connect: all within ``wait``; then hold the client
         open until the lifespan cancels this at shutdown. A failure is ``gave_up``, not raised (this
-        task runs beside the lifespan, and an AsyncClient is closed by the task that connected it)."""
+        task runs beside the lifespan)."""
         try:
             address = await wait.find()
             while True:
@@ -96,7 +96,7 @@ class _Server(Generation, Tokenization):
                 self.client = client
                 self._connected()
                 await anyio.sleep_forever()
-            finally:  # (in the cancel scope it connected in, as an AsyncClient's task group needs)
+            finally:
                 await client.close()
         except Exception as exc:
             self.gave_up = str(exc)

@@ -65,7 +65,7 @@ class Generation:
         except InvalidRequestError as exc:
             raise template_error(exc) from None
         ids = body.truncated(ids, self.client.max_model_len, max_tokens)
-        stream = Stream(self.client, ids, params, reasoning_parser=self.reasoning_parser)
+        stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser)
         options = self._options(stream, body, chat=True, top_logprobs=logprobs)
         options.tool_parser = self.tool_parser if plan.parse else None
         options.reasoning = self.reasoning_parser is not None
