@@ -31,13 +31,13 @@ class _Connection:
         self.tokenizer = tokenizer
         self.mailboxes = {}
 
-    async def _submit(self, mailbox, request_id, prompt, params, timeout) -> None:
+    async def submit(self, mailbox, request_id, prompt, params, timeout) -> None:
         self.mailboxes[request_id] = mailbox
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         pass
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         pass
 
 
