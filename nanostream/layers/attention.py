@@ -62,7 +62,7 @@ class KVScales(nn.Module):
     To calibrate: run the model in its own dtype on prompts like the ones it will serve, keep each
     layer's largest |k| and |v| as stored (after the QK-norm and rotary), and write
     ``k_scale = amax_k / 448`` and ``v_scale = amax_v / 448`` as float32 tensors of shape [1] under those
-    names into a safetensors file of the model directory (README: "FP8 KV cache").
+    names into a safetensors file of the model directory (docs/models.md: "FP8 KV cache").
 
     ``scales()`` gives the tensors the backends take. Random weights (``load_format="dummy"``) leave them at
     1.0: only a checkpoint's tensor replaces them.
