@@ -91,7 +91,7 @@ class LLM:
             (
                 f"offline-{next(self._ids)}",
                 prompt if isinstance(prompt, str) else None,
-                prompt_ids(self.tokenizer, prompt),
+                prompt_ids(self.tokenizer, prompt, self.engine.vocab_size),
                 p,
             )
             for prompt, p in zip(prompts, params)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import pytest
 from helpers import engine_processes, wait_idle
 
@@ -174,7 +175,9 @@ def test_n_samples_merge_into_the_same_outputs_through_llm_and_async_client(engi
     assert refs[0].outputs[1].stop_reason == probe[5:8] and refs[0].outputs[1].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("prompt", [123, None, {"prompt": "hi"}, [1.5, 2.5]], ids=["int", "none", "dict", "floats"])
+@pytest.mark.parametrize(
+    "prompt", [123, None, {"prompt": "hi"}, [1.5, 2.5], b"abc"], ids=["int", "none", "dict", "floats", "bytes"]
+)
 def test_a_prompt_of_another_type_raises_the_same_error_offline_and_streamed(engine, llm, prompt):
     with pytest.raises(InvalidRequestError, match="a prompt must be a string or a list of token ids") as offline:
         llm.generate(prompt, use_tqdm=False)
@@ -186,6 +189,46 @@ def test_a_prompt_of_another_type_raises_the_same_error_offline_and_streamed(eng
             return streamed.value
 
     assert str(run(main)) == str(offline.value)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([1, "a"], "prompt token id 'a' is outside the model's vocabulary"),
+        ([True, 3], "prompt token id True is outside the model's vocabulary"),
+        ([-1, 2], "prompt token id -1 is outside the model's vocabulary"),
+        ([1, 2**70], f"prompt token id {2**70} is outside the model's vocabulary"),
+    ],
+    ids=["str", "bool", "negative", "huge"],
+)
+def test_a_bad_token_id_raises_the_same_error_offline_and_streamed_and_the_engine_serves_on(
+    engine, llm, prompt, message
+):
+    with pytest.raises(InvalidRequestError, match=message) as offline:
+        llm.generate(prompt, use_tqdm=False)
+
+    async def main():
+        async with AsyncClient(engine.address) as client:
+            with pytest.raises(InvalidRequestError) as streamed:
+                client.stream(prompt, max_tokens=4)
+            served = await client.generate([5, 6, 7], max_tokens=3, ignore_eos=True)
+            return streamed.value, served
+
+    streamed, served = run(main)
+    assert str(streamed) == str(offline.value)
+    assert len(served.outputs[0].token_ids) == 3
+
+
+def test_numpy_token_ids_are_token_ids(engine, llm):
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    want = llm.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].token_ids
+    assert llm.generate(list(ids), SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].token_ids == want
+
+    async def main():
+        async with AsyncClient(engine.address) as client:
+            return (await client.generate(list(ids), max_tokens=4, temperature=0)).outputs[0].token_ids
+
+    assert run(main) == want
 
 
 def test_tokens_arrive_as_they_are_generated(engine):

@@ -135,7 +135,8 @@ class AsyncClient:
         self.connection.check_reachable()
         params = self._params(sampling_params, kwargs)
         # (no prompt at all: an empty one, which the engine refuses with its own message)
-        prompts = [prompt_ids(self.tokenizer, one) for one in as_prompts(prompt)] or [[]]
+        vocab = self.connection.welcome.vocab_size
+        prompts = [prompt_ids(self.tokenizer, one, vocab) for one in as_prompts(prompt)] or [[]]
         return Stream(self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:], collect=collect)
 
     def chat(

@@ -8,6 +8,7 @@ from pathlib import Path
 from nanostream.engine.block_manager import BlockManager
 from nanostream.errors import InvalidRequestError
 from nanostream.sampling_params import SamplingParams
+from nanostream.token_ids import check_token_ids
 
 
 def read_eos_token_ids(model_path: Path, hf_config) -> frozenset[int]:
@@ -37,16 +38,7 @@ def check_request(
     n = len(prompt)
     if n == 0:
         raise InvalidRequestError("the prompt is empty; give at least one token")
-    # Plain ints in range, checked at C speed (a prompt's ids are checked once each, in the busy loop);
-    # only a prompt that fails it is looked at id by id.
-    bad = []
-    if not (set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab_size):
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(
-            f"prompt token id {bad[0]!r} is outside the model's vocabulary [0, {vocab_size}); "
-            "tokenize the prompt with this model's tokenizer"
-        )
+    check_token_ids(prompt, vocab_size)
     limit = max_model_len
     if n >= limit:
         raise InvalidRequestError(
