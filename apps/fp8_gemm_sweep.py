@@ -11,8 +11,13 @@ kernel (default and one split) and the FP8 weight's byte floor. Each timed call 
 several copies of the weight (256 MB or more in all): a decode step streams every layer's weight once, so
 none may sit in the 50 MB L2 from the previous call.
 
+``--gemv``, 1 and 4 tokens: the weight-streaming kernel (nanostream/kernels/fp8_gemv.py, x unquantized) over
+its tiles, steps, stages and splits, against the block kernel with its activation quantizer (what a
+layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
+
     python3 apps/fp8_gemm_sweep.py              # from the repository root
     python3 apps/fp8_gemm_sweep.py --split-k
+    python3 apps/fp8_gemm_sweep.py --gemv
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
+from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config
 from nanostream.layers.fp8_linear import _block_scaled_mm, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down
@@ -87,6 +93,22 @@ def split_configs(m: int, n: int, k: int, sms: int) -> list[Config]:
     return list(dict.fromkeys(configs))
 
 
+def timed_configs(configs: list, call: Callable, want: torch.Tensor, tol: float, rep: int) -> dict:
+    """us of ``call(cfg)()`` for each config whose result is within ``tol`` (relative norm) of ``want``; a config
+    that is wrong, or fails to compile or launch, is reported and left out."""
+    times = {}
+    for cfg in configs:
+        try:
+            err = ((call(cfg)().to(want.dtype) - want).norm() / want.norm()).item()
+            if err > tol:
+                print(f"   {tuple(cfg)}: WRONG, relative error {err:.1e}", flush=True)
+                continue
+            times[cfg] = us(call(cfg), rep=rep)
+        except Exception as exc:  # reported, not fatal
+            print(f"   {tuple(cfg)}: failed, {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    return times
+
+
 def short(cfg: Config) -> str:
     return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} st{cfg.num_stages} split {cfg.split_k}"
 
@@ -107,16 +129,8 @@ def split_case(n: int, k: int, m: int, weights: dict[str, list], sms: int, rep: 
 
     default = default_config(m, n, k, sms)
     want = block_call(default._replace(split_k=1))().float()
-    times: dict[Config, float] = {}
-    for cfg in split_configs(m, n, k, sms):
-        try:
-            err = ((block_call(cfg)().float() - want).norm() / want.norm()).item()
-            if err > 1e-3:  # the same sums in another order: rounding apart, no more
-                print(f"   {short(cfg)}: WRONG, relative error {err:.1e} against one split", flush=True)
-                continue
-            times[cfg] = us(block_call(cfg), rep=rep)
-        except Exception as exc:  # a config that fails to compile or launch: reported, not fatal
-            print(f"   {short(cfg)}: failed, {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    # the same sums in another order: rounding apart, no more
+    times = timed_configs(split_configs(m, n, k, sms), block_call, want, 1e-3, rep)
     ranked = sorted(times, key=times.get)
     one = [c for c in ranked if c.split_k == 1]
     dense = itertools.cycle(weights["bf16"])
@@ -154,17 +168,86 @@ def split_sweep(tokens: tuple[int, ...], rep: int) -> None:
         torch.cuda.empty_cache()
 
 
+GEMV_TILES = tuple(itertools.product((16, 32, 64), (1, 2, 4), (4,), (2, 4)))  # block_n, groups, warps, stages
+
+
+def gemv_configs(n: int, k: int, sms: int) -> list[GemvConfig]:
+    """The weight-streaming kernel's tiles times the splits that keep programs <= 8 per SM and >= 2 steps a
+    split (one split always), and ``gemv_config``'s pick first."""
+    configs = [gemv_config(n, k, sms)]
+    for tile, splits in itertools.product(GEMV_TILES, SPLITS):
+        programs = -(-n // tile[0]) * splits
+        if splits == 1 or (programs <= 8 * sms and k // (128 * tile[1]) >= 2 * splits):
+            configs.append(GemvConfig(*tile, splits))
+    return list(dict.fromkeys(configs))
+
+
+def gemv_case(n: int, k: int, m: int, weights: dict[str, list], sms: int, rep: int) -> tuple[str, float, float]:
+    """One shape and token count of ``--gemv``: its line, and the default's and the old path's us."""
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    blocks = itertools.cycle(weights["block"])
+
+    def gemv_call(cfg: GemvConfig) -> Callable[[], torch.Tensor]:
+        return lambda: fp8_gemv(x, *next(blocks), (128, 128), config=cfg)
+
+    def old_path() -> torch.Tensor:  # the layer's few-token path before the GEMV: quantize, then the block kernel
+        xq, xs = quantize_per_token_group(x, 128)
+        return fp8_scaled_matmul(xq, xs, *next(blocks), (128, 128), BF16)
+
+    want = x.double() @ (weights["block"][0][0].double() * weights["block"][0][1].repeat_interleave(128, 0)
+                         .repeat_interleave(128, 1)[:n, :k].double()).T  # fmt: skip
+    times = timed_configs(gemv_configs(n, k, sms), gemv_call, want, 1e-2, rep)  # bf16 output: 1% of the float64
+    ranked = sorted(times, key=times.get)
+    default = gemv_config(n, k, sms)
+    old = us(old_path, rep=rep)
+    dense = itertools.cycle(weights["bf16"])
+    bf16 = us(lambda: F.linear(x, next(dense)), rep=rep)
+    best = ", ".join(f"{tuple(c)} {times[c]:.1f}" for c in ranked[:4])
+    line = (
+        f"{NAMES[n, k]} N={n} K={k} M={m}: floor {n * k / HBM_BYTES_PER_S * 1e6:.1f} | bf16 {bf16:.1f} | "
+        f"quant+block {old:.1f} | gemv default {tuple(default)} {times.get(default, float('nan')):.1f} | best {best}"
+    )
+    return line, times.get(default, float("nan")), old
+
+
+def gemv_sweep(tokens: tuple[int, ...], rep: int) -> None:
+    sms = num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; us per call, CUDA graphs, weights rotated", flush=True)
+    totals = {m: [0.0, 0.0] for m in tokens}
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        copies = -(-ROTATE_BYTES // (n * k))
+        block = quantize(w, (128, 128))
+        weights = {"block": [tuple(t.clone() for t in block) for _ in range(copies)],
+                   "bf16": [w.to(BF16) for _ in range(copies)]}  # fmt: skip
+        del w, block
+        for m in tokens:
+            line, default, old = gemv_case(n, k, m, weights, sms, rep)
+            totals[m][0] += default
+            totals[m][1] += old
+            print(line, flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    for m, (default, old) in totals.items():
+        print(f"a layer's four at M={m}: gemv default {default:.1f} us, quant+block {old:.1f} us", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split-k", action="store_true", help="the few-token split-K sweep alone (about a minute)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=SPLIT_TOKENS, help="--split-k's token counts")
+    parser.add_argument("--gemv", action="store_true", help="the weight-streaming kernel's sweep (a few minutes)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None, help="token counts (--split-k: 1 4 16, --gemv: 1 4)"
+    )
     parser.add_argument("--rep", type=int, default=10, help="--split-k's timing per config, ms of replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     start = time.perf_counter()
     if args.split_k:
-        split_sweep(tuple(args.tokens), args.rep)
+        split_sweep(tuple(args.tokens or SPLIT_TOKENS), args.rep)
+    elif args.gemv:
+        gemv_sweep(tuple(args.tokens or (1, 4)), args.rep)
     else:
         full_sweep()
     print(f"{time.perf_counter() - start:.0f} s", flush=True)

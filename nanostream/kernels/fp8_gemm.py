@@ -236,8 +236,14 @@ def fp8_scaled_matmul(
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if splits > 1:
-        _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
-            part, out if bias is None else bias, out, m, n, splits, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4,
-        )  # fmt: skip
+        sum_splits(part, bias, out)
     return out
+
+
+def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the float32 partials part [S, M, N] added in split order, + bias [N], in out's dtype."""
+    splits, m, n = part.shape
+    _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
+        part, out if bias is None else bias, out, m, n, splits, out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4,
+    )  # fmt: skip

@@ -5,11 +5,14 @@ one scale per ``block`` = (bo, bi) of it, its real value ``W × s``. Block-wise 
 (128 x 128); per-channel and per-tensor ones become one scale per row, (1, in): a fused projection of
 per-tensor parts (q, k, v) holds each part's scale on its rows, so nothing is requantized.
 
-``fp8_linear`` is the layer's matmul. On CUDA the activations are quantized as they enter, per token and per
-group of ``bi`` columns (per token for a per-row layout), and multiplied by the FP8 GEMM: the Triton
-block-scaled kernel (nanostream/kernels/fp8_gemm.py) for blocks, ``torch._scaled_mm`` for rows. Both run on the device
-alone, so CUDA graphs capture them. Elsewhere (the CPU reference, tests) the weight is dequantized in the
-call and the activations stay as they are: what a dequantized checkpoint computes.
+``fp8_linear`` is the layer's matmul. On CUDA one token (decode at batch 1, where a step is the weight's
+streaming) multiplies the weight in the activation's own dtype (nanostream/kernels/fp8_gemv.py: no quantizer,
+no tensor cores). More tokens have their activations quantized as they enter, per token and per
+group of ``bi`` columns (per token for a per-row layout), and multiplied by an FP8 GEMM: the Triton
+block-scaled kernel (nanostream/kernels/fp8_gemm.py) up to 16 tokens (64 for per-row scales), torch's
+block-scaled or row-wise scaled GEMM above. All run on the device alone, so CUDA graphs capture them.
+Elsewhere (the CPU reference, tests) the weight is dequantized in the call and the activations stay as they
+are: what a dequantized checkpoint computes.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def fp8_linear(
     if not x.is_cuda:
         return F.linear(x, dequantize(weight, scale, block).to(x.dtype), bias)
     from nanostream.kernels.fp8_gemm import fp8_scaled_matmul, quantize_per_token_group
+    from nanostream.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_takes
 
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -86,7 +90,9 @@ def fp8_linear(
         x2 = x2.contiguous()
     per_row = block[1] >= k
     m = x2.shape[0]
-    if per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
+    if m <= GEMV_ROWS and gemv_takes(m, block, k):  # one token: the weight streamed against x as it is
+        y = fp8_gemv(x2, weight, scale, block, bias)
+    elif per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
         xq, xs = quantize_per_token_group(x2, k)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
     elif block == (128, 128) and m > TRITON_MAX_ROWS["block"] and _block_scaled_mm_takes(weight.shape, x.dtype):

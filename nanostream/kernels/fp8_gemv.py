@@ -1,0 +1,161 @@
+"""The FP8 weight's matmul for a few tokens (up to 4; the layers take it at decode of batch 1):
+y [M, N] = x @ (w × w_scale)ᵀ with x in its own dtype (bf16 at decode), not quantized.
+
+A step of a few tokens is the weight's streaming: each weight byte is read once and used M times, so the
+tensor cores have nothing to do and the activation quantizer would be one more launch and one more rounding.
+Here each program streams a BLOCK_N x (C x 128) slab of the e4m3 weight per step, widens it to float32, takes
+each row of x's dot with it on the CUDA cores and multiplies each 128-column group's sum by its scale: with
+the tile inside one block row of the weight's scales (BLOCK_N divides block_n), a step's scales are C numbers,
+not one an element. One group along K (per-channel and per-tensor weights) multiplies each column once at the
+end. K splits as in nanostream/kernels/fp8_gemm.py (float32 partials summed in split order, no atomics), so
+the result is the same bits from call to call and a CUDA graph captures it.
+
+``gemv_config`` picks the tile and the split; apps/fp8_gemm_sweep.py --gemv times the alternatives.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import num_sms
+from .fp8_gemm import FP8, sum_splits
+
+MAX_ROWS = 4  # up to these many tokens the weight-streaming kernel runs (its rows unrolled)
+GROUP = 128  # the columns a step's scale covers (block-wise checkpoints' 128); per-row weights use it as the tile
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    BLOCK_N_SCALE: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, C: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    # Program (pid_n, split): columns [pid_n * BLOCK_N, +BLOCK_N) over split s's contiguous range of K's steps of
+    # C * G columns. acc [BLOCK_N, ROWS]: each row of x's share of y, float32.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    steps = tl.cdiv(K, C * G)
+    k_lo = split * steps // tl.num_programs(1) * (C * G)
+    k_hi = (split + 1) * steps // tl.num_programs(1) * (C * G)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rows = tl.arange(0, ROWS)
+    ks = tl.arange(0, C)[:, None] * G + tl.arange(0, G)[None, :]  # [C, G]: a step's columns
+    w_rows = w_ptr + cols[:, None, None].to(tl.int64) * stride_wn
+    s_row = s_ptr + (pid_n * BLOCK_N // BLOCK_N_SCALE) * stride_sn  # the tile's row of scales (one block row)
+    acc = tl.zeros([BLOCK_N, ROWS], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, C * G, num_stages=STAGES):
+        k_mask = (k0 + ks) < K
+        w = tl.load(w_rows + (k0 + ks)[None, :, :], mask=col_mask[:, None, None] & k_mask[None, :, :], other=0.0)
+        w = w.to(tl.float32)  # [BLOCK_N, C, G]
+        if not ONE_GROUP:
+            s = tl.load(s_row + k0 // G + tl.arange(0, C), mask=k0 + tl.arange(0, C) * G < K, other=0.0)
+        for r in tl.static_range(ROWS):
+            x_mask = k_mask & (tl.full([C, G], r, tl.int32) < M)  # a tensor: the interpreter takes no scalar mask
+            x = tl.load(x_ptr + r * stride_xm + k0 + ks, mask=x_mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :, :], 2)  # [BLOCK_N, C]: each group's dot
+            if ONE_GROUP:  # noqa: SIM108 (a constexpr branch)
+                got = tl.sum(part, 1)
+            else:
+                got = tl.sum(part * s[None, :], 1)
+            acc = tl.where(rows[None, :] == r, acc + got[:, None], acc)
+    if ONE_GROUP:  # one scale a column (per-channel, or per-tensor spread on the rows)
+        acc = acc * tl.load(s_ptr + (cols // BLOCK_N_SCALE) * stride_sn, mask=col_mask, other=0.0)[:, None]
+    if HAS_BIAS:  # one split only: with more, the sum adds it
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + split.to(tl.int64) * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_mask[:, None] & (rows < M)[None, :])
+
+
+class GemvConfig(NamedTuple):
+    """A program's columns, its step's groups of 128 columns (``groups``), warps, pipeline stages and the
+    split of K (``split_k`` programs share a tile's K, their float32 partials summed by a second kernel)."""
+
+    block_n: int
+    groups: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+MIN_STEPS_PER_SPLIT = 4
+GEMV_ROWS = 1
+"""Tokens up to which layers/fp8_linear.py takes this kernel: on an H200 at Qwen3-8B's four projections it runs
+one token in 0.83x the time of the activation quantizer and the block kernel (apps/fp8_gemm_sweep.py --gemv),
+four in 1.5x (the CUDA cores' work grows with the rows, the tensor cores' does not)."""
+
+
+def gemv_config(n: int, k: int, sms: int) -> GemvConfig:
+    """The tile and split for an [``n``, ``k``] weight on a GPU of ``sms`` SMs: 32 columns a program, steps of
+    512 columns, 4 stages; K splits only where the tiles leave half the SMs idle (a narrow layer), until each SM
+    has one, each split at least 4 steps (the best of ``apps/fp8_gemm_sweep.py --gemv`` at one token, within 1%
+    at each of Qwen3-8B's projections on an H200: splitting a weight of 128 tiles or more only adds partials).
+
+    >>> gemv_config(4096, 12288, 132)  # Qwen3-8B's down_proj on an H200: 128 tiles, one split
+    GemvConfig(block_n=32, groups=4, num_warps=4, num_stages=4, split_k=1)
+    >>> gemv_config(1024, 3072, 132).split_k  # Qwen3-0.6B's o_proj: 32 tiles, K in 6 steps: one split
+    1
+    """
+    block_n, groups = 32, 4
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, groups * GROUP)
+    splits = 1
+    if 2 * tiles < sms:
+        splits = max(1, min(triton.cdiv(sms, tiles), steps // MIN_STEPS_PER_SPLIT))
+    return GemvConfig(block_n, groups, 4, 4, splits)
+
+
+def gemv_takes(m: int, block: tuple[int, int], k: int, block_n: int = 32) -> bool:
+    """Whether the weight-streaming kernel runs ``m`` tokens of a weight scaled in ``block``: at most MAX_ROWS
+    tokens, and scales one a row (one group along K) or in blocks of GROUP columns whose rows a tile divides."""
+    block_rows, block_cols = block
+    return 1 <= m <= MAX_ROWS and (block_cols >= k or (block_cols == GROUP and block_rows % block_n == 0))
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """x @ (w × w_scale)ᵀ + bias: [M, N] in x's dtype, for M <= MAX_ROWS (``gemv_takes``).
+
+    x [M, K] (any float dtype, rows contiguous); w [N, K] float8_e4m3fn as a checkpoint stores it; ``block`` =
+    (block_n, block_k) of ``w_scale`` [ceil(N / block_n), ceil(K / block_k)] float32: block_k = 128 (block-wise)
+    or K and more (one scale a row: per-channel). ``config`` overrides ``gemv_config`` (benchmarks).
+
+        y = fp8_gemv(x, w, w_scale, (128, 128))  # x [1, 4096] bfloat16, w [6144, 4096] e4m3
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = GemvConfig(*config) if config else gemv_config(n, k, num_sms(x.device))
+    assert gemv_takes(m, block, k, cfg.block_n), f"{m} rows in blocks {block}: the GEMV does not take them"
+    assert w.dtype == FP8 and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1, (w.dtype, w.shape)
+    assert w_scale.dtype == torch.float32 and w_scale.shape == (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    assert cfg.split_k >= 1 and cfg.groups & (cfg.groups - 1) == 0, cfg
+    assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1), bias
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not n:
+        return out
+    splits = cfg.split_k
+    part = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    stride_os, stride_om = (0, out.stride(0)) if splits == 1 else part.stride()[:2]
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, w, w_scale, out if bias is None else bias, part,
+        m, n, k,
+        x.stride(0), w.stride(0), w_scale.stride(0), stride_os, stride_om,
+        BLOCK_N_SCALE=block[0], ONE_GROUP=block[1] >= k, HAS_BIAS=bias is not None and splits == 1,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, C=cfg.groups, G=GROUP, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if splits > 1:
+        sum_splits(part, bias, out)
+    return out

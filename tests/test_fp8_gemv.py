@@ -1,0 +1,92 @@
+"""The few-token FP8 kernel (nanostream.kernels.fp8_gemv): x in its own dtype times an e4m3 weight with its
+scales, against float64 matmuls of x and the dequantized weight, in the layouts FP8 checkpoints use (block-wise
+128-column groups, per-channel, per-tensor), 1 to 4 rows, shapes no tile divides, K split (empty splits too),
+a bias, and the same bits from call to call. On the CPU under Triton's interpreter; gpu-marked cases compiled
+at Qwen3-8B's shapes, eager and in a CUDA graph, and through the layer (fp8_linear) against torch."""
+
+import pytest
+import torch
+
+from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config, gemv_takes
+from tests.test_fp8_gemm import dequantized, quantize_weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gemv_matches_the_dequantized_product(layout, m):
+    # N = 80: tiles of 32 leave a partial one; K = 600: 4 groups and a partial fifth; steps of 1 or 2 groups
+    # split 1, 2, 3 and 7 ways (7 > the 3 steps of 256: empty splits); a bias with the odd counts
+    n, k = 80, 600
+    gen = torch.Generator().manual_seed(m + len(layout))
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    block = {"block": (128, 128), "channel": (1, k), "tensor": (n, k)}[layout]
+    wq, ws = quantize_weight(w, block)
+    ref = x.double() @ dequantized(wq, ws, block).T
+    for groups, splits in [(1, 1), (2, 2), (1, 3), (2, 7)]:
+        b = bias.to(DEVICE) if splits % 2 else None
+        cfg = GemvConfig(32, groups, 4, 2, splits)
+        out = fp8_gemv(x.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE), block, bias=b, config=cfg)
+        want = ref if b is None else ref + bias.double()
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=f"{cfg}")
+
+
+def test_gemv_in_bfloat16_is_bit_identical_run_to_run_and_near_the_float64_product():
+    m, n, k = 2, 256, 8192  # the default config: 8 tiles, K (16 steps of 512) split 4 ways
+    cfg = gemv_config(n, k, 132)
+    assert cfg.split_k > 1
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, (128, 128))
+    bias = torch.randn(n, generator=gen).bfloat16()
+    args = x.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE), (128, 128)
+    out = fp8_gemv(*args, bias=bias.to(DEVICE))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fp8_gemv(*args, bias=bias.to(DEVICE)))
+    ref = x.double() @ dequantized(wq, ws, (128, 128)).T + bias.double()
+    torch.testing.assert_close(out.cpu(), ref.bfloat16())
+
+
+def test_gemv_takes_few_rows_of_the_layouts_it_reads():
+    assert gemv_takes(1, (128, 128), 4096) and gemv_takes(4, (1, 4096), 4096) and gemv_takes(2, (96, 96), 64)
+    assert not gemv_takes(5, (128, 128), 4096)  # more tokens: the tensor-core GEMMs
+    assert not gemv_takes(0, (128, 128), 4096)
+    assert not gemv_takes(1, (64, 64), 4096)  # a step's scale covers 128 columns
+    assert not gemv_takes(1, (48, 128), 4096)  # a tile of 32 rows would straddle two scale rows
+    with pytest.raises(AssertionError, match="does not take"):
+        fp8_gemv(torch.zeros(5, 128), torch.zeros(32, 128).to(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+def test_gemv_config_splits_k_only_for_narrow_layers(sms):
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:  # Qwen3-8B's projections
+        assert gemv_config(n, k, sms).split_k == 1, (n, k)  # 128 tiles of 32 or more: every SM streams
+    narrow = gemv_config(256, 16384, sms)  # 8 tiles: K splits until the SMs are busy, 4 steps a split at least
+    assert narrow.split_k == min(-(-sms // 8), 16384 // 512 // 4) > 1
+    assert gemv_config(256, 1024, sms).split_k == 1  # 2 steps: too few to split
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (24576, 4096), (4096, 12288)])
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_gemv_at_qwen3_8b_shapes_eager_and_in_a_cuda_graph_gpu(m, n, k, layout):
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    block = (128, 128) if layout == "block" else (1, k)
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen) * 0.02, block)
+    ref = x.double() @ dequantized(wq, ws, block).T
+    args = x.cuda(), wq.cuda(), ws.cuda(), block
+    out = fp8_gemv(*args)
+    assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemv(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, captured)
