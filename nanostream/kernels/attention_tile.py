@@ -1,10 +1,13 @@
 """What both attention kernels share: the online softmax's start (with a sink or without) and the fold of
 one paged K/V tile into it.
 
-An FP8 pool's tiles are widened to the queries' dtype as they load (exactly: every e4m3 value is a
-bfloat16, float16 and float32 value) and its scales are folded in where they cost one multiply, not one a
-K/V element: k_scale into the logits' scale (q . k_stored * k_scale * softmax scale) and v_scale into the
-output (sum p v_stored * v_scale), so a dot runs as it does on a pool in the model's dtype."""
+An FP8 pool's tiles are widened as they load, to float16 with 16-bit queries (one instruction a pair of
+values on sm89 and newer; bfloat16 takes several) and to float32 with float32 ones, exactly either way: every
+e4m3 value is a float16 value. 16-bit queries then enter the dots as float16 (``queries_for``: bfloat16's 8
+significant bits fit in float16's 11, so a query in float16's normal range is unchanged, and the softmax's
+weights keep 3 more bits than in bfloat16). The pool's scales are folded in where they cost one multiply, not
+one a K/V element: k_scale into the logits' scale (q . k_stored * k_scale * softmax scale) and v_scale into
+the output (sum p v_stored * v_scale)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,14 @@ def window_arg(window: int | None) -> int:
     """The kernels' runtime ``window`` for a launcher's: NO_WINDOW for None (callers check it is positive)."""
     assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
     return NO_WINDOW if window is None else min(window, NO_WINDOW)
+
+
+@triton.jit
+def queries_for(q, FP8_KV: tl.constexpr, IEEE: tl.constexpr):
+    """The query tile as the dots take it: float16 (clamped to its range) against an FP8 pool unless float32."""
+    if FP8_KV and not IEEE:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -56,7 +67,8 @@ def fold_kv_tile(
     With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or at or
     before ``q_pos - window`` are left out; without it the caller guarantees the whole tile is visible
     to every query. A row that has seen no visible key yet keeps max -inf and sum 0. FP8_KV: the pool is
-    float8 e4m3, its tiles widened to q's dtype (its scales are the caller's: ``qk_scale`` holds k_scale).
+    float8 e4m3, its tiles widened to q's dtype (float16 or float32: ``queries_for``; its scales are the
+    caller's: ``qk_scale`` holds k_scale).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASK:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E, num_sms
-from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
+from nanostream.kernels.attention_tile import fold_kv_tile, queries_for, softmax_start, window_arg
 from nanostream.kernels.fp8_kv import check_kv_scales
 
 MAX_SPLITS = 64
@@ -57,7 +57,7 @@ def _decode_kernel(
     g_mask = g < G
     d_mask = d < D
     q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :])  # [BLOCK_G, BLOCK_D]
+    q = queries_for(tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :]), FP8_KV, IEEE)  # [BLOCK_G, BLOCK_D]
     kv_offs = kv_head * D + d[None, :]
     table_row = table_ptr + b * stride_tb
     # The query is the context's last token; every key of [lo, seq_len) is inside its window.
@@ -138,6 +138,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -148,7 +149,8 @@ def paged_decode_attention(
     denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn
     caches and only then (K read as stored * k_scale). ``batch_invariant``: no split (each context in one
     program, whatever the batch) and the prefill kernel's arithmetic (``paged_prefill_attention``'s
-    ``batch_invariant``), so that a preempted request's recomputed tokens are its decoded ones. Returns
+    ``batch_invariant``), so that a preempted request's recomputed tokens are its decoded ones. ``tile``:
+    (BLOCK_N, num_warps, num_stages) in place of (64, 4, 2) (benchmarks; not with ``batch_invariant``). Returns
     [B, Hq, D] in q's dtype (into ``out`` when given)::
 
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
@@ -173,6 +175,8 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    block_n, warps, stages = tile or (64, 4, 2)
+    assert not (tile and batch_invariant), "the batch-invariant mode takes the prefill kernel's tiles"
     splits = 1 if batch_invariant else num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
@@ -188,8 +192,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
         splits, window,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
-        BLOCK_N=64, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
-        ALL_MASKED=batch_invariant, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
+        ALL_MASKED=batch_invariant, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](

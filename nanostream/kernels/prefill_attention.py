@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E
-from nanostream.kernels.attention_tile import fold_kv_tile, softmax_start, window_arg
+from nanostream.kernels.attention_tile import fold_kv_tile, queries_for, softmax_start, window_arg
 from nanostream.kernels.fp8_kv import check_kv_scales
 
 
@@ -56,6 +56,7 @@ def _prefill_kernel(
         q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
     )
+    q = queries_for(q, FP8_KV, IEEE)
     kv_offs = (head // G) * D + d[None, :]
     table_row = table_ptr + b * stride_tb
 
