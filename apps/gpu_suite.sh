@@ -39,7 +39,9 @@
 #                                  #   SOAK_DTYPES=float32 for one)
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
-# Carried (git-ignored): .whl/ (pyzmq, msgspec cp312 wheels), .gpu/fa4/{a,b} (made by
+# Carried (git-ignored): .whl/ (cp312 wheels of what the GPU image lacks: pyzmq, msgspec; jsonschema,
+# jsonschema-specifications, referencing, rpds-py for test_gpu_structured.py; xgrammar, apache-tvm-ffi, pydantic,
+# pydantic-core, annotated-types, typing-inspection for structured output), .gpu/fa4/{a,b} (made by
 # ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py), .gpu/corpus (train).
 # Logs and results go to $OUT (or ./gpu-out); each stage prints a short summary last.
 set -uo pipefail
@@ -343,7 +345,7 @@ fp8)
     one=(--num-requests 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512)
     case ${1:?usage: gpu_suite.sh fp8 tests|bench|one|agree} in
     tests)
-        for t in fp8_weights fp8_gemm fp8_kv; do  # one process each: a file's engines leave the next its memory
+        for t in fp8_weights fp8_gemm fp8_gemv fp8_kv; do  # one process each: a file's engines leave the next its memory
             timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider "tests/test_$t.py" >"$out/test_$t.log" 2>&1
             echo "== $t: $(tail -n 1 "$out/test_$t.log")"; grep -E "^(FAILED|ERROR)" "$out/test_$t.log" | head -n 5
         done
@@ -356,7 +358,7 @@ fp8)
             [ "$run" = "fp8w+kv" ] && cmd+=(--kv-cache-dtype fp8)
             echo "== $run: ${cmd[*]} ${extra[*]}"
             timeout 170 "${cmd[@]}" "${extra[@]}" --step-stats 2>&1 | grep -v "Loading weights" \
-                | tee "$out/fp8-$1-$run.log" | grep -E "KV blocks|output tok/s|decode|prefill" | head -n 14
+                | tee "$out/fp8-$1-${run/+/-}.log" | grep -E "KV blocks|output tok/s|decode|prefill" | head -n 14
         done ;;
     agree)
         timeout 300 python3 apps/fp8_agreement.py --preset qwen3-8b-fp8 --build-dir /tmp/8b-fp8 2>&1 | tail -n 4 ;;

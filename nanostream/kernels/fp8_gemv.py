@@ -87,15 +87,15 @@ class GemvConfig(NamedTuple):
 MIN_STEPS_PER_SPLIT = 4
 GEMV_ROWS = 1
 """Tokens up to which layers/fp8_linear.py takes this kernel: on an H200 at Qwen3-8B's four projections it runs
-one token in 0.83x the time of the activation quantizer and the block kernel (apps/fp8_gemm_sweep.py --gemv),
-four in 1.5x (the CUDA cores' work grows with the rows, the tensor cores' does not)."""
+one token in about 0.85x the time of the activation quantizer and the block kernel (apps/fp8_gemm_sweep.py
+--gemv), four in 1.3x at its best tiles (the CUDA cores' work grows with the rows, the tensor cores' does not)."""
 
 
 def gemv_config(n: int, k: int, sms: int) -> GemvConfig:
     """The tile and split for an [``n``, ``k``] weight on a GPU of ``sms`` SMs: 32 columns a program, steps of
     512 columns, 4 stages; K splits only where the tiles leave half the SMs idle (a narrow layer), until each SM
-    has one, each split at least 4 steps (the best of ``apps/fp8_gemm_sweep.py --gemv`` at one token, within 1%
-    at each of Qwen3-8B's projections on an H200: splitting a weight of 128 tiles or more only adds partials).
+    has one, each split at least 4 steps (``apps/fp8_gemm_sweep.py --gemv`` at one token: within 3% of the best at
+    each of Qwen3-8B's projections on an H200; splitting a weight of 128 tiles or more only adds partials).
 
     >>> gemv_config(4096, 12288, 132)  # Qwen3-8B's down_proj on an H200: 128 tiles, one split
     GemvConfig(block_n=32, groups=4, num_warps=4, num_stages=4, split_k=1)
