@@ -38,13 +38,12 @@ def case(hq: int, hkv: int, d: int, lens: list[int]) -> dict:
         at += p
     k = torch.randn(num_blocks, BLOCK, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    scale = torch.tensor([k.abs().amax().item() / 448], device="cuda"), torch.tensor([v.abs().amax().item() / 448])
-    k8 = (k / scale[0]).to(torch.float8_e4m3fn)
-    v8 = (v / scale[1].cuda()).to(torch.float8_e4m3fn)
+    k_scale, v_scale = (t.abs().amax().float().reshape(1) / 448 for t in (k, v))  # [1] float32, on the GPU
+    k8, v8 = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
     return dict(
         q=torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16),
         table=table.cuda(), lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), max_len=max(lens),
-        bf16=(k, v, {}), fp8=(k8, v8, dict(k_scale=scale[0], v_scale=scale[1].cuda())),
+        bf16=(k, v, {}), fp8=(k8, v8, dict(k_scale=k_scale, v_scale=v_scale)),
         kv_tokens=sum(lens) * hkv * d * 2,
     )  # fmt: skip
 

@@ -37,7 +37,7 @@ sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
 from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config
-from nanostream.layers.fp8_linear import _block_scaled_mm, quantize
+from nanostream.layers.fp8_linear import _block_scaled_mm, dequantize, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down
 NAMES = dict(zip(SHAPES, ("qkv", "o", "gate_up", "down")))
@@ -194,8 +194,7 @@ def gemv_case(n: int, k: int, m: int, weights: dict[str, list], sms: int, rep: i
         xq, xs = quantize_per_token_group(x, 128)
         return fp8_scaled_matmul(xq, xs, *next(blocks), (128, 128), BF16)
 
-    want = x.double() @ (weights["block"][0][0].double() * weights["block"][0][1].repeat_interleave(128, 0)
-                         .repeat_interleave(128, 1)[:n, :k].double()).T  # fmt: skip
+    want = x.double() @ dequantize(*weights["block"][0], (128, 128)).double().T
     times = timed_configs(gemv_configs(n, k, sms), gemv_call, want, 1e-2, rep)  # bf16 output: 1% of the float64
     ranked = sorted(times, key=times.get)
     default = gemv_config(n, k, sms)
@@ -239,7 +238,7 @@ def main() -> None:
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=None, help="token counts (--split-k: 1 4 16, --gemv: 1 4)"
     )
-    parser.add_argument("--rep", type=int, default=10, help="--split-k's timing per config, ms of replays")
+    parser.add_argument("--rep", type=int, default=10, help="--split-k's and --gemv's timing per config, ms of replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
