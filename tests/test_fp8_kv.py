@@ -13,8 +13,10 @@ float32 rounding.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -304,20 +306,26 @@ def test_random_weights_leave_the_scales_at_one(tmp_path):
 # ---- the Triton kernels against the torch backend, on the same FP8 pool --------------------------
 
 
-def test_store_kv_quantizes_as_the_torch_backend():
+def rows_fastest(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` [blocks, block_size, Hkv, D] laid out as allocate_kv_pool lays an FP8 pool's V (rows fastest)."""
+    return pool.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("v_rows_fastest", [False, True])
+def test_store_kv_quantizes_as_the_torch_backend(v_rows_fastest):
     gen = torch.Generator().manual_seed(2)
     tokens, hkv, d = 40, 2, 16
     qkv = 3 * randn((tokens, (4 + 2 * hkv) * d), torch.float32, gen)  # k, v are strided views
     k, v = qkv[:, 4 * d : (4 + hkv) * d].view(tokens, hkv, d), qkv[:, (4 + hkv) * d :].view(tokens, hkv, d)
     k_scale, v_scale = scales(0.011, 0.0042)  # some |k|, |v| past 448 * scale: saturated
     k_cache = torch.zeros(12, 4, hkv, d, dtype=FP8_KV_DTYPE, device=DEVICE)
-    v_cache = k_cache.clone()
+    v_cache = rows_fastest(k_cache) if v_rows_fastest else k_cache.clone()
     slots = torch.randperm(48, generator=gen)[:tokens]
     slots[3] = -1
     slots = slots.to(DEVICE)
     store_kv(k, v, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
     keep = slots >= 0
-    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(torch.uint8).reshape(-1, hkv, d).view(FP8_KV_DTYPE)
     check_stored(flat_k[slots[keep]], quantize_kv(k[keep], k_scale))
     check_stored(flat_v[slots[keep]], quantize_kv(v[keep], v_scale))
     assert (flat_v[slots[keep]].float().abs() == FP8_KV_MAX).any()
@@ -326,8 +334,21 @@ def test_store_kv_quantizes_as_the_torch_backend():
     assert (flat_k[untouched].float() == 0).all()
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_qkv_prologue_stores_as_the_modules_and_the_torch_backend(norm):
+def test_fp8_stores_write_nan_as_zero():
+    # The attention kernels multiply a block's rows past a context's end by 0: no FP8 pool byte may be NaN.
+    x = torch.tensor([[[float("nan"), float("inf"), -float("inf"), 1e6, -3.0, 0.5]]], device=DEVICE)
+    ks, vs = scales(1.0, 0.5)
+    want = [0.0, FP8_KV_MAX, -FP8_KV_MAX, FP8_KV_MAX, -3.0, 0.5]
+    assert quantize_kv(x, ks).float().flatten().tolist() == want
+    k_cache = torch.zeros(1, 4, 1, 6, dtype=FP8_KV_DTYPE, device=DEVICE)
+    v_cache = rows_fastest(k_cache)
+    store_kv(x, x, k_cache, v_cache, torch.tensor([2], device=DEVICE), k_scale=ks, v_scale=vs)
+    assert k_cache[0, 2, 0].float().tolist() == want
+    assert v_cache[0, 2, 0].float().tolist() == [0.0, FP8_KV_MAX, -FP8_KV_MAX, FP8_KV_MAX, -6.0, 1.0]
+
+
+@pytest.mark.parametrize("norm, v_rows_fastest", [(True, False), (False, False), (True, True)])
+def test_qkv_prologue_stores_as_the_modules_and_the_torch_backend(norm, v_rows_fastest):
     gen = torch.Generator().manual_seed(4)
     tokens, hq, hkv, d = 9, 4, 2, 16
     qkv = randn((tokens, (hq + 2 * hkv) * d), torch.float32, gen)
@@ -336,8 +357,8 @@ def test_qkv_prologue_stores_as_the_modules_and_the_torch_backend(norm):
     norms = [RMSNorm(d, 1e-6).to(DEVICE) for _ in range(2)]
     for n in norms:
         n.weight.data = 1 + 0.3 * randn((d,), torch.float32, gen)
-    k_cache = torch.zeros(tokens + 3, 1, hkv, d, dtype=FP8_KV_DTYPE, device=DEVICE)
-    v_cache = k_cache.clone()
+    k_cache = torch.zeros((tokens + 3) // 4, 4, hkv, d, dtype=FP8_KV_DTYPE, device=DEVICE)
+    v_cache = rows_fastest(k_cache) if v_rows_fastest else k_cache.clone()
     slots = torch.randperm(tokens + 3, generator=gen)[:tokens].to(DEVICE)
     k_scale, v_scale = scales(0.004, 0.006)
     weights = (norms[0].weight, norms[1].weight, 1e-6) if norm else (None, None, 0.0)
@@ -350,7 +371,7 @@ def test_qkv_prologue_stores_as_the_modules_and_the_torch_backend(norm):
         ref_q, ref_k = norms[0](ref_q), norms[1](ref_k)
     ref_q, ref_k = rotary(positions, ref_q, ref_k)
     assert rel_err(q, ref_q.double()) < 1e-5
-    check_stored(v_cache.view(-1, hkv, d)[slots], quantize_kv(ref_v, v_scale))
+    check_stored(v_cache.view(torch.uint8).reshape(-1, hkv, d)[slots].view(FP8_KV_DTYPE), quantize_kv(ref_v, v_scale))
     # k: the fused norm sums its squares in another order than the module (float32's last bit)
     check_stored(k_cache.view(-1, hkv, d)[slots], quantize_kv(ref_k, k_scale), near=True)
 
@@ -410,6 +431,64 @@ def test_prefill_attention_reads_an_fp8_pool(q_lens, prefix_lens, heads, block_s
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, kq, vq, cu_t, lens, tables, max(q_lens), 0.25, out, window=window, sinks=sink,
                             k_scale=ks, v_scale=vs)  # fmt: skip
+    assert rel_err(out, reference(q, kd, vd, tables, cu, lens, 0.25, window, sink)) < 1e-5
+
+
+def test_the_allocator_lays_an_fp8_pool_s_v_rows_fastest():
+    spec = SimpleNamespace(num_layers=2, num_kv_heads=4, head_dim=16)  # what the allocator reads of a DecoderSpec
+    fp8, bf16 = (allocate_kv_pool(spec, 3, 8, dtype, CPU)[1] for dtype in (FP8_KV_DTYPE, torch.bfloat16))
+    assert fp8.v.shape == fp8.k.shape == bf16.v.shape == (3, 8, 4, 16)
+    assert fp8.v.stride(1) == 1 and fp8.k.is_contiguous() and bf16.v.is_contiguous()
+
+
+@pytest.mark.parametrize("pool", ["fp8", "float32"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize(
+    "seq_lens, block_size, window, sinks",
+    [
+        ([1, 300, 129, 700], 256, None, False),  # decode: 128-row tiles (FP8) or 64 inside 256-row blocks
+        ([65, 5, 200, 64], 64, 50, True),  # 64-row tiles (decode) or 32 (prefill); a window mid-tile
+        ([1000, 3], 128, 300, False),  # several splits, the window's first tile masked
+        ([40, 17], 16, 7, True),  # blocks smaller than a tile: a page number a row
+    ],
+)
+def test_attention_reads_either_v_layout_and_not_stale_rows(pool, kernel, seq_lens, block_size, window, sinks):
+    # Rows of a sequence's last block past its end hold another moment's values: NaN in a float32 pool, e4m3's
+    # largest (an FP8 pool holds no NaN: test_fp8_stores_write_nan_as_zero). Tiles inside a block read those
+    # rows whole; the output must not see them. The FP8 V is laid out as the allocator lays it (rows fastest).
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = 4, 2, 16
+    k, v, tables = paged_pool(seq_lens, block_size, hkv, d, torch.float32, gen)
+    if pool == "fp8":
+        k, v, ks, vs, kd, vd = fp8_pool(k, v, 0.013, 0.0071)
+        scales_kw = dict(k_scale=ks, v_scale=vs)
+    else:
+        kd, vd, scales_kw = k.clone(), v.clone(), {}
+    for i, n in enumerate(seq_lens):
+        if n % block_size:
+            block = tables[i, n // block_size]
+            for t in (k, v):
+                if pool == "fp8":
+                    t.view(torch.uint8)[block, n % block_size :] = 0x7E  # 448
+                else:
+                    t[block, n % block_size :] = float("nan")
+    if pool == "fp8":
+        v = rows_fastest(v)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    sink = 2 * randn((hq,), torch.float32, gen) if sinks else None
+    if kernel == "decode":
+        q = randn((len(seq_lens), hq, d), torch.float32, gen)
+        cu = list(range(len(seq_lens) + 1))
+        out = paged_decode_attention(q, k, v, tables, lens, 0.25, max(seq_lens), window=window, sinks=sink,
+                                     **scales_kw)  # fmt: skip
+    else:
+        q_lens = [min(n, 37) for n in seq_lens]  # the last 37 queries after a prefix (or the whole context)
+        cu = [0, *itertools.accumulate(q_lens)]
+        q = randn((cu[-1], hq, d), torch.float32, gen)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+        out = paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), 0.25, window=window, sinks=sink,
+                                      **scales_kw)  # fmt: skip
+    assert out.isfinite().all()
     assert rel_err(out, reference(q, kd, vd, tables, cu, lens, 0.25, window, sink)) < 1e-5
 
 

@@ -288,8 +288,11 @@ def test_launchers_reject_bad_layouts():
         paged_decode_attention(q, cache, cache, tables.long(), lens, 0.25, 16)
     with pytest.raises(AssertionError):  # 3 query heads over 2 KV heads
         paged_decode_attention(q[:, :3], cache, cache, tables, lens, 0.25, 16)
-    with pytest.raises(AssertionError):  # a non-contiguous cache
-        paged_decode_attention(q, cache.transpose(0, 1), cache.transpose(0, 1), tables, lens, 0.25, 16)
+    strided = cache.transpose(2, 3).contiguous().transpose(2, 3)  # the same shape, head_dim not unit-stride
+    with pytest.raises(AssertionError):  # K must have unit stride in head_dim
+        paged_decode_attention(q, strided, cache, tables, lens, 0.25, 16)
+    with pytest.raises(AssertionError):  # V there or in the block's rows
+        paged_prefill_attention(q, cache, strided, lens[:1].new_tensor([0, 1, 2]), lens, tables, 1, 0.25)
     with pytest.raises(AssertionError):  # cu_seqlens of the wrong length
         paged_prefill_attention(q, cache, cache, lens, lens, tables, 1, 0.25)
     qkv, pos = torch.randn(2, 8 * 16, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)

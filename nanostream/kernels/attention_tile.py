@@ -56,13 +56,21 @@ def softmax_start(sinks_ptr, heads, use, HAS_SINKS: tl.constexpr):
 @triton.jit
 def fold_kv_tile(
     q, m, denom, acc,
-    k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
+    k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
     n0, kv_end, q_pos, window,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
+    IN_PAGE: tl.constexpr,
 ):  # fmt: skip
     """Attend the queries ``q`` [M, BLOCK_D] to context positions [n0, n0 + BLOCK_N).
 
-    K/V rows are gathered through the sequence's block table (``table_row``), any block size.
+    K/V rows are found through the sequence's block table (``table_row``): block ``b``'s row ``r`` of K is at
+    ``b * stride_kb + r * stride_ks + k_offs`` ([1, BLOCK_D]: the head's columns), V's likewise. IN_PAGE: the
+    tile lies inside one block (n0 a multiple of BLOCK_N, BLOCK_N dividing PAGE), so one page number serves
+    it and its rows are read whole, contiguous in either layout of the pool (an FP8 pool's V is laid out
+    rows fastest: nanostream/kernels/fp8_kv.py). A masked tile's rows past ``kv_end`` are then another
+    moment's values: K's logits are masked, V's rows are masked out of the load, except in an FP8 pool,
+    whose bytes are all finite (its stores write NaN as 0), so that p = 0 zeroes them (a masked load would
+    not vectorize along rows). Otherwise any block size: a page number a row.
     (m, denom, acc): running max (base 2), running sum and unnormalised output, updated and returned.
     With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or at or
     before ``q_pos - window`` are left out; without it the caller guarantees the whole tile is visible
@@ -71,16 +79,26 @@ def fold_kv_tile(
     caller's: ``qk_scale`` holds k_scale).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
-    if MASK:
-        n_mask = pos < kv_end
-        page = tl.load(table_row + pos // PAGE, mask=n_mask, other=0)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+    n_mask = pos < kv_end
+    if IN_PAGE:
+        page = tl.load(table_row + n0 // PAGE).to(tl.int64)
+        rows = tl.multiple_of(n0 % PAGE, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k = tl.load(k_cache_ptr + page * stride_kb + rows[:, None] * stride_ks + k_offs, mask=d_mask[None, :])
+        if MASK and not FP8_KV:  # rows past kv_end may hold NaN: kept out (an FP8 pool holds none)
+            v = tl.load(v_cache_ptr + page * stride_vb + rows[:, None] * stride_vs + v_offs,
+                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+        else:
+            v = tl.load(v_cache_ptr + page * stride_vb + rows[:, None] * stride_vs + v_offs, mask=d_mask[None, :])
     else:
-        page = tl.load(table_row + pos // PAGE)
-        kv_mask = d_mask[None, :]
-    slot = (page.to(tl.int64) * PAGE + pos % PAGE) * stride_slot
-    k = tl.load(k_cache_ptr + slot[:, None] + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_cache_ptr + slot[:, None] + kv_offs, mask=kv_mask, other=0.0)
+        if MASK:
+            page = tl.load(table_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            page = tl.load(table_row + pos // PAGE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        row = pos % PAGE
+        k = tl.load(k_cache_ptr + (page * stride_kb + row * stride_ks)[:, None] + k_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + (page * stride_vb + row * stride_vs)[:, None] + v_offs, mask=kv_mask, other=0.0)
     if FP8_KV:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -107,3 +125,18 @@ def fold_kv_tile(
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, denom, acc
+
+
+def pool_strides(k_cache, v_cache) -> tuple[int, ...]:
+    """The strides the kernels take of a pool's two [num_blocks, block_size, Hkv, D] tensors: K's first three
+    (its rows contiguous in D) and V's four (V the same, or row-fastest: an FP8 pool's, kv_pool.py)."""
+    assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.stride(3) == 1 and 1 in (v_cache.stride(3), v_cache.stride(1)), (
+        "KV caches need unit stride in head_dim (V: there or in block rows)", k_cache.stride(), v_cache.stride(),
+    )  # fmt: skip
+    return (*k_cache.stride()[:3], *v_cache.stride())
+
+
+def in_page(page: int, block_n: int) -> bool:
+    """Whether tiles of ``block_n`` keys from multiples of it lie inside blocks of ``page`` rows."""
+    return page % block_n == 0

@@ -10,7 +10,8 @@ context length, and each new constant would compile a kernel (a stall of ~0.3 s)
 
 A sliding window is a runtime argument too: a sequence attends only [max(0, seq_len - window), seq_len),
 and that range is what the splits share, so their count follows min(context bound, window) and a window
-of 128 tokens costs 128 tokens, whatever the context. Attention sinks (one logit per query head) start
+of 128 tokens costs 128 tokens, whatever the context (the tiles start at multiples of BLOCK_N: the one that holds
+the window's first position is masked). Attention sinks (one logit per query head) start
 split 0's softmax, so the merge counts each sink once. An FP8 pool (float8 e4m3, with the layer's
 k_scale and v_scale) is read as nanostream/kernels/attention_tile.py says; each split's output carries v_scale.
 """
@@ -22,10 +23,22 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E, num_sms
-from nanostream.kernels.attention_tile import fold_kv_tile, queries_for, softmax_start, window_arg
+from nanostream.kernels.attention_tile import (
+    fold_kv_tile,
+    in_page,
+    pool_strides,
+    queries_for,
+    softmax_start,
+    window_arg,
+)
 from nanostream.kernels.fp8_kv import check_kv_scales
 
 MAX_SPLITS = 64
+TILE = (64, 4, 2)
+"""(BLOCK_N, num_warps, num_stages): a pool in the model's dtype, and the batch-invariant mode."""
+FP8_TILE = (128, 4, 2)
+"""An FP8 pool's, where the block size is a multiple of 128: on an H200 at Qwen3-8B's heads (256 sequences of
+~1,116 tokens) 164 us a layer against 207 with TILE (``apps/decode_kv_sweep.py``)."""
 
 
 # The block-table width and the split count change from step to step, the window from layer to layer:
@@ -35,10 +48,11 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qb, stride_qh, stride_slot, stride_tb, stride_ob, stride_oh, num_splits, window,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb, stride_ob, stride_oh, num_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr,
+    FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr,
 ):  # fmt: skip
     if FP8_KV:  # the stored keys' scale joins the logits' (the scale pointers are unread otherwise)
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -47,8 +61,9 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     lo = tl.maximum(seq_len - window, 0)  # the window's first position (0 without one)
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * split_len
+    base = lo // BLOCK_N * BLOCK_N  # tiles start at multiples of BLOCK_N: the one holding lo is masked
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    start = base + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -58,7 +73,8 @@ def _decode_kernel(
     d_mask = d < D
     q_offs = b * stride_qb + heads[:, None] * stride_qh + d[None, :]
     q = queries_for(tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :]), FP8_KV, IEEE)  # [BLOCK_G, BLOCK_D]
-    kv_offs = kv_head * D + d[None, :]
+    k_offs = kv_head * stride_kh + d[None, :]
+    v_offs = kv_head * stride_vh + d[None, :] * stride_vd
     table_row = table_ptr + b * stride_tb
     # The query is the context's last token; every key of [lo, seq_len) is inside its window.
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
@@ -67,21 +83,36 @@ def _decode_kernel(
     in_split_0 = tl.full([BLOCK_G], split, tl.int32) == 0  # a vector: the interpreter takes no scalar in a mask
     m, denom = softmax_start(sinks_ptr, heads, g_mask & in_split_0, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N  # whole tiles need no mask
-    if ALL_MASKED:  # the batch-invariant mode (one split): the prefill kernel's tiles, from a multiple of BLOCK_N
-        start = lo // BLOCK_N * BLOCK_N
-        end = seq_len
-        full_end = start
-    for n0 in range(start, full_end, BLOCK_N):
-        m, denom, acc = fold_kv_tile(
-            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV,
-        )  # fmt: skip
-    for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
-        m, denom, acc = fold_kv_tile(
-            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
-        )  # fmt: skip
+    if ALL_MASKED or FP8_KV:
+        # One loop of masked tiles: the batch-invariant mode's (the prefill kernel's tiles), and an FP8 pool's
+        # (one loop, not three, takes fewer registers, so more programs share an SM; the masks cost ~3% of a tile).
+        for n0 in range(start, end, BLOCK_N):
+            m, denom, acc = fold_kv_tile(
+                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
+            )  # fmt: skip
+    else:
+        head_end = tl.where(start < lo, start + BLOCK_N, start)  # past the tile with keys before the window
+        full_end = tl.maximum(head_end, end // BLOCK_N * BLOCK_N)  # whole tiles from there need no mask
+        for n0 in range(start, head_end, BLOCK_N):  # at most one tile
+            m, denom, acc = fold_kv_tile(
+                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
+            )  # fmt: skip
+        for n0 in range(head_end, full_end, BLOCK_N):
+            m, denom, acc = fold_kv_tile(
+                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
+            )  # fmt: skip
+        for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
+            m, denom, acc = fold_kv_tile(
+                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
+            )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     empty = denom == 0.0  # a split past the end of a short sequence
@@ -142,7 +173,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
-    q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (contiguous); block_tables:
+    q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (``pool_strides``); block_tables:
     [B, W] int32; seq_lens: [B] int32, each in [1, max_seq_len] and covered by its block table row.
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
     ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
@@ -150,15 +181,15 @@ def paged_decode_attention(
     caches and only then (K read as stored * k_scale). ``batch_invariant``: no split (each context in one
     program, whatever the batch) and the prefill kernel's arithmetic (``paged_prefill_attention``'s
     ``batch_invariant``), so that a preempted request's recomputed tokens are its decoded ones. ``tile``:
-    (BLOCK_N, num_warps, num_stages) in place of (64, 4, 2) (benchmarks; not with ``batch_invariant``). Returns
+    (BLOCK_N, num_warps, num_stages) in place of TILE or FP8_TILE (benchmarks; not with ``batch_invariant``). Returns
     [B, Hq, D] in q's dtype (into ``out`` when given)::
 
         out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 4096, window=128, sinks=sinks)
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    strides = pool_strides(k_cache, v_cache)
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
     fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     assert q.stride(2) == 1 and v_cache.dtype == k_cache.dtype and (fp8 or k_cache.dtype == q.dtype), (
@@ -175,7 +206,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    block_n, warps, stages = tile or (64, 4, 2)
+    block_n, warps, stages = tile or (FP8_TILE if fp8 and in_page(page, 128) and not batch_invariant else TILE)
     assert not (tile and batch_invariant), "the batch-invariant mode takes the prefill kernel's tiles"
     splits = 1 if batch_invariant else num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -189,11 +220,10 @@ def paged_decode_attention(
         k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
         out, part, lse,
         scale * LOG2E,
-        q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
-        splits, window,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), splits, window,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
-        ALL_MASKED=batch_invariant, num_warps=warps, num_stages=stages,
+        ALL_MASKED=batch_invariant, IN_PAGE=in_page(page, block_n), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](

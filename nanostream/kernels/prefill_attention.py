@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E
-from nanostream.kernels.attention_tile import fold_kv_tile, queries_for, softmax_start, window_arg
+from nanostream.kernels.attention_tile import (
+    fold_kv_tile,
+    in_page,
+    pool_strides,
+    queries_for,
+    softmax_start,
+    window_arg,
+)
 from nanostream.kernels.fp8_kv import check_kv_scales
 
 
@@ -30,10 +37,11 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
-    stride_qt, stride_qh, stride_slot, stride_tb, stride_ot, stride_oh, window,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb, stride_ot, stride_oh, window,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
-    ALL_MASKED: tl.constexpr,
+    ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -57,7 +65,8 @@ def _prefill_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
     )
     q = queries_for(q, FP8_KV, IEEE)
-    kv_offs = (head // G) * D + d[None, :]
+    k_offs = (head // G) * stride_kh + d[None, :]
+    v_offs = (head // G) * stride_vh + d[None, :] * stride_vd
     table_row = table_ptr + b * stride_tb
 
     m, denom = softmax_start(sinks_ptr, tl.full([BLOCK_M], head, tl.int32), m_mask, HAS_SINKS)
@@ -76,18 +85,21 @@ def _prefill_kernel(
         full_end = kv_end
     for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
-            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
-            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV,
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
-            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, kv_offs, d_mask, stride_slot, qk_scale,
-            n0, kv_end, q_pos, window, PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV,
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
 
     # Rows past q_len saw only masked keys (denom = 0) and are not stored.
@@ -128,7 +140,7 @@ def paged_prefill_attention(
 
     q: [T, Hq, D] packed, sequence i's queries at rows cu_seqlens_q[i]:cu_seqlens_q[i+1] ([B+1] int32);
     they are the last queries of its seq_lens[i] ([B] int32) context tokens, all already in the pool.
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D] contiguous; block_tables: [B, W] int32.
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] (``pool_strides``); block_tables: [B, W] int32.
     ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
     ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``sinks``:
@@ -144,8 +156,8 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    strides = pool_strides(k_cache, v_cache)
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
     fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     assert q.stride(2) == 1 and v_cache.dtype == k_cache.dtype and (fp8 or k_cache.dtype == q.dtype), (
@@ -175,10 +187,9 @@ def paged_prefill_attention(
         k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
         out,
         scale * LOG2E,
-        q.stride(0), q.stride(1), num_kv_heads * head_dim, block_tables.stride(0), out.stride(0), out.stride(1),
-        window,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), window,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8, ALL_MASKED=batch_invariant,
-        num_warps=num_warps, num_stages=num_stages,
+        IN_PAGE=in_page(page, block_n), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

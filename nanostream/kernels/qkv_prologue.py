@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels.attention_tile import pool_strides
 from nanostream.kernels.fp8_kv import check_kv_scales
 from nanostream.kernels.store_kv import quantize_fp8
 
@@ -42,8 +43,8 @@ def _norm_rope(
 def _qkv_prologue_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k_scale_ptr, v_scale_ptr,
-    stride_t, stride_qo, stride_cs, stride_cos, eps, weight_offset,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_t, stride_qo, stride_cs, stride_vb, stride_vs, stride_vh, stride_vd, stride_cos, eps, weight_offset,
+    PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
     F32_WEIGHT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
@@ -94,8 +95,9 @@ def _qkv_prologue_kernel(
     cache_ty = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + slot * stride_cs + offs, o1.to(cache_ty), mask=m)
     tl.store(k_cache_ptr + slot * stride_cs + offs + HALF, o2.to(cache_ty), mask=m)
-    tl.store(v_cache_ptr + slot * stride_cs + offs, v1.to(cache_ty), mask=m)
-    tl.store(v_cache_ptr + slot * stride_cs + offs + HALF, v2.to(cache_ty), mask=m)
+    v_at = v_cache_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + h * stride_vh + j[None, :] * stride_vd
+    tl.store(v_at, v1.to(cache_ty), mask=m)
+    tl.store(v_at + HALF * stride_vd, v2.to(cache_ty), mask=m)
 
 
 def qkv_prologue(
@@ -121,7 +123,8 @@ def qkv_prologue(
 
     qkv: [T, (Hq + 2 Hkv) D], the q, k, v projections side by side, rows with unit stride. positions:
     [T] int64. cos, sin: [max_position, D / 2] float32 (rotate-half layout). Norm weights: [D], both or
-    neither. The caches: [num_blocks, block_size, Hkv, D], contiguous; slot_mapping [T] int64, -1 = skip.
+    neither. The caches: [num_blocks, block_size, Hkv, D], K contiguous, V as ``pool_strides`` takes it;
+    slot_mapping [T] int64, -1 = skip.
     ``out``: where the queries go (contiguous), else a new tensor. ``weight_offset``: the norms' rounding
     (``nanostream.layers.norm``): None as Llama's, a number multiplies by weight + offset in float32.
     ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn caches and only then (stored: k / k_scale).
@@ -135,8 +138,8 @@ def qkv_prologue(
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64, slot_mapping.dtype
     assert cos.shape == sin.shape and cos.shape[1] == head_dim // 2 and cos.dtype == torch.float32, cos.shape
     assert cos.stride() == sin.stride() and cos.stride(1) == 1, (cos.stride(), sin.stride())
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.is_contiguous(), k_cache.shape
+    v_strides = pool_strides(k_cache, v_cache)[3:]
     assert v_cache.dtype == k_cache.dtype, (k_cache.dtype, v_cache.dtype)
     fp8 = check_kv_scales(k_cache.dtype, k_scale, v_scale)
     norm = q_norm_weight is not None
@@ -152,8 +155,9 @@ def qkv_prologue(
         q_norm_weight if norm else cos, k_norm_weight if norm else cos,  # unread without a norm
         q, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else cos, v_scale if fp8 else cos,  # unread without FP8
-        qkv.stride(0), q.stride(0), num_kv_heads * head_dim, cos.stride(0), eps, float(weight_offset or 0.0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        qkv.stride(0), q.stride(0), num_kv_heads * head_dim, *v_strides, cos.stride(0), eps,
+        float(weight_offset or 0.0),
+        PAGE=k_cache.shape[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, F32_WEIGHT=weight_offset is not None,
         FP8=fp8,

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels.attention_tile import pool_strides
 from nanostream.kernels.fp8_kv import FP8_KV_MAX, check_kv_scales
 
 _FP8_MAX = tl.constexpr(FP8_KV_MAX)
@@ -17,17 +18,20 @@ _FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 @triton.jit
 def quantize_fp8(x, scale):
-    """``x / scale`` in float32, saturated at +-448 (the cast to e4m3 is then exact in range: no NaN)."""
-    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
+    """``x / scale`` in float32, saturated at +-448, NaN as 0: the cast to e4m3 is then exact in range and
+    no pool byte is NaN (the attention kernels multiply stale rows by 0: attention_tile.py)."""
+    x = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -_FP8_MAX), _FP8_MAX)
 
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-    stride_kt, stride_vt, stride_cs,
-    ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+    stride_kt, stride_vt, stride_cs, stride_vb, stride_vs, stride_vh, stride_vd,
+    ROW: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: its K and V rows (Hkv * D contiguous elements each) go to slot `slot`.
+    # One program per token: its K and V rows (Hkv * D contiguous elements each) go to slot `slot`: K's row
+    # is contiguous in the pool, V's element (head h, column d) at the strides given.
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:  # padding (a CUDA-graph batch filled up to its bucket)
@@ -44,7 +48,8 @@ def _store_kv_kernel(
             k = quantize_fp8(k, k_scale)
             v = quantize_fp8(v, v_scale)
         tl.store(k_cache_ptr + slot * stride_cs + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * stride_cs + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        v_at = (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + (offs // D) * stride_vh + (offs % D) * stride_vd
+        tl.store(v_cache_ptr + v_at, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -59,15 +64,16 @@ def store_kv(
 ) -> None:
     """Store ``k``/``v`` [T, Hkv, D] at ``slot_mapping`` [T] (int64, -1 = skip) of the caches.
 
-    The caches are [num_blocks, block_size, Hkv, D], contiguous; slot = block * block_size + offset.
+    The caches are [num_blocks, block_size, Hkv, D], K contiguous, V contiguous or row-fastest (an FP8 pool's:
+    ``pool_strides``); slot = block * block_size + offset.
     ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn caches and only then (stored: k / k_scale)::
 
         store_kv(k, v, k_cache, v_cache, slots, k_scale=layer_k_scale, v_scale=layer_v_scale)
     """
     num_tokens, num_heads, head_dim = k.shape
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), (k.shape, v.shape, slot_mapping.shape)
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_heads, head_dim), (k_cache.shape, k.shape)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.shape[2:] == (num_heads, head_dim) and k_cache.is_contiguous(), (k_cache.shape, k.shape)
+    v_strides = pool_strides(k_cache, v_cache)[3:]
     # Each token's [Hkv, D] row must be contiguous (a slice of a fused qkv output is, with a row stride).
     assert k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1), (k.stride(), v.stride())
     assert slot_mapping.dtype == torch.int64, slot_mapping.dtype
@@ -78,6 +84,6 @@ def store_kv(
     row = num_heads * head_dim
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k, v_scale if fp8 else v,  # unread without FP8
-        k.stride(0), v.stride(0), row,
-        ROW=row, BLOCK=min(triton.next_power_of_2(row), 1024), FP8=fp8,
+        k.stride(0), v.stride(0), row, *v_strides,
+        ROW=row, D=head_dim, PAGE=k_cache.shape[1], BLOCK=min(triton.next_power_of_2(row), 1024), FP8=fp8,
     )  # fmt: skip

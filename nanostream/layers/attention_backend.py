@@ -83,7 +83,8 @@ class AttentionMetadata:
 
 @dataclass
 class KVCache:
-    """One layer's slice of the KV pool: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+    """One layer's slice of the KV pool: [num_blocks, block_size, num_kv_heads, head_dim] each (an FP8 pool's
+    ``v`` a view with the block's rows fastest: nanostream/engine/runner/kv_pool.py)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -158,27 +159,26 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None, k_scale=None, v_scale=None):
         check_window(window)
         fp8 = check_kv_scales(cache.k.dtype, k_scale, v_scale)
-        k_pool = cache.k.view(-1, *cache.k.shape[2:])  # [num_slots, Hkv, D]
-        v_pool = cache.v.view(-1, *cache.v.shape[2:])
-        if fp8:  # (index_copy_ has no float8 kernel on the CPU: the bytes are copied)
-            k_pool.view(torch.uint8).index_copy_(0, meta.slot_mapping, quantize_kv(k, k_scale).view(torch.uint8))
-            v_pool.view(torch.uint8).index_copy_(0, meta.slot_mapping, quantize_kv(v, v_scale).view(torch.uint8))
+        bs = cache.block_size
+        slots = meta.slot_mapping
+        if fp8:  # (index_put_ has no float8 kernel on the CPU: the bytes are copied)
+            cache.k.view(torch.uint8)[slots // bs, slots % bs] = quantize_kv(k, k_scale).view(torch.uint8)
+            cache.v.view(torch.uint8)[slots // bs, slots % bs] = quantize_kv(v, v_scale).view(torch.uint8)
         else:
-            k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-            v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+            cache.k[slots // bs, slots % bs] = k.to(cache.k.dtype)
+            cache.v[slots // bs, slots % bs] = v.to(cache.v.dtype)
         if self.batch_invariant:
-            return self._aligned(q, k_pool, v_pool, meta, cache.block_size, scale, window, sinks, k_scale, v_scale)
+            return self._aligned(q, cache, meta, scale, window, sinks, k_scale, v_scale)
         if meta.is_decode:
             return self._decode(q, cache, meta, scale, window, sinks, k_scale, v_scale)
         out = torch.empty_like(q)
-        bs = cache.block_size
         for i, seq_len in enumerate(meta.seq_lens_host):
             start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
             slots = self._slots(meta.block_tables[i], seq_len, bs)
             # [1, H, L, D] views for SDPA
             qi = q[start:end].transpose(0, 1)[None]
-            ki = self._gather(k_pool, slots, k_scale, q.dtype).transpose(0, 1)[None]
-            vi = self._gather(v_pool, slots, v_scale, q.dtype).transpose(0, 1)[None]
+            ki = self._gather(cache.k, slots, bs, k_scale, q.dtype).transpose(0, 1)[None]
+            vi = self._gather(cache.v, slots, bs, v_scale, q.dtype).transpose(0, 1)[None]
             # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own
             # (and, with a window, > its own - window).
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
@@ -189,7 +189,7 @@ class TorchAttention(AttentionBackend):
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out
 
-    def _aligned(self, q, k_pool, v_pool, meta, bs, scale, window, sinks, k_scale, v_scale):
+    def _aligned(self, q, cache, meta, scale, window, sinks, k_scale, v_scale):
         # The batch-invariant mode: a query at position p is attended in the block of ALIGNED positions
         # that holds it, [p0, p0 + ALIGNED) with p0 a multiple of ALIGNED, against the keys [0, p0 + ALIGNED)
         # (zeros past the context, masked), the block's other rows zeros or the neighbours' queries. Every
@@ -197,12 +197,13 @@ class TorchAttention(AttentionBackend):
         # chunk of any length, in a batch of any size, or recomputed after a preemption.
         out = torch.empty_like(q)
         hq, d = q.shape[1:]
+        bs = cache.block_size
         for i, seq_len in enumerate(meta.seq_lens_host):
             start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
             first = seq_len - (end - start)  # the first query's position
             slots = self._slots(meta.block_tables[i], seq_len, bs)
-            keys = self._gather(k_pool, slots, k_scale, q.dtype)  # [seq_len, Hkv, D]
-            values = self._gather(v_pool, slots, v_scale, q.dtype)
+            keys = self._gather(cache.k, slots, bs, k_scale, q.dtype)  # [seq_len, Hkv, D]
+            values = self._gather(cache.v, slots, bs, v_scale, q.dtype)
             for p0 in range(first // ALIGNED * ALIGNED, seq_len, ALIGNED):
                 p1, lo, hi = p0 + ALIGNED, max(p0, first), min(p0 + ALIGNED, seq_len)
                 qi = q.new_zeros(ALIGNED, hq, d)
@@ -221,10 +222,12 @@ class TorchAttention(AttentionBackend):
 
     @staticmethod
     def _gather(
-        pool: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+        pool: torch.Tensor, slots: torch.Tensor, bs: int, scale: torch.Tensor | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``pool[index]``, dequantized to ``dtype`` where the pool is FP8 (``scale`` given)."""
-        return pool[index] if scale is None else dequantize_kv(pool[index], scale, dtype)
+        """The rows at ``slots`` of a [num_blocks, bs, Hkv, D] pool (either layout), dequantized to ``dtype``
+        where the pool is FP8 (``scale`` given)."""
+        rows = pool[slots // bs, slots % bs]
+        return rows if scale is None else dequantize_kv(rows, scale, dtype)
 
     @staticmethod
     def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -255,8 +258,9 @@ class TorchAttention(AttentionBackend):
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
-        k = self._gather(cache.k, tables, k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
-        v = self._gather(cache.v, tables, v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+        k = cache.k[tables] if k_scale is None else dequantize_kv(cache.k[tables], k_scale, q.dtype)
+        v = cache.v[tables] if v_scale is None else dequantize_kv(cache.v[tables], v_scale, q.dtype)
+        k, v = (t.flatten(1, 2).transpose(1, 2) for t in (k, v))  # [B, Hkv, nb*bs, D]
         pos = torch.arange(k.shape[2], device=q.device)[None, :]
         mask = pos < meta.seq_lens[:, None]  # [B, L]
         if window is not None:

@@ -2,7 +2,9 @@
 
 The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D] in the KV cache's dtype
 (``kv_dtype``: the model's, or float8 e4m3 with ``kv_cache_dtype="fp8"``, one byte an element: twice a
-bfloat16 pool's blocks in the same bytes); each layer's ``KVCache`` is a view of it. Its size is, in
+bfloat16 pool's blocks in the same bytes); each layer's ``KVCache`` is a view of it. An FP8 pool's V half
+is laid out [num_layers, num_blocks, Hkv, D, block_size] under the same view (a block's rows fastest:
+nanostream/kernels/fp8_kv.py says why). Its size is, in
 order of precedence: ``num_kvcache_blocks``; ``kv_cache_memory_bytes``; on CUDA, what
 ``gpu_memory_utilization`` leaves after the worst step (measured by running it); on CPU, at most 1 GiB and
 never more than the engine can ever fill. With tensor parallelism each rank sizes the pool
@@ -51,9 +53,12 @@ def allocate_kv_pool(
     num_kv_heads: int | None = None,
 ) -> list[KVCache]:
     """One zeroed pool; a ``KVCache`` of views [num_blocks, block_size, Hkv, D] per layer (Hkv: this rank's)."""
-    shape = (2, spec.num_layers, num_blocks, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim)
-    pool = torch.zeros(shape, dtype=dtype, device=device)
-    return [KVCache(pool[0, i], pool[1, i]) for i in range(spec.num_layers)]
+    hkv = num_kv_heads or spec.num_kv_heads
+    pool = torch.zeros(2, spec.num_layers, num_blocks, block_size, hkv, spec.head_dim, dtype=dtype, device=device)
+    v = pool[1]
+    if dtype == FP8_KV_DTYPE:  # the same bytes, [num_layers, num_blocks, Hkv, D, block_size] underneath
+        v = v.view(spec.num_layers, num_blocks, hkv, spec.head_dim, block_size).permute(0, 1, 4, 2, 3)
+    return [KVCache(pool[0, i], v[i]) for i in range(spec.num_layers)]
 
 
 def plan_num_kv_blocks(
