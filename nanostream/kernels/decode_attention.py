@@ -38,7 +38,8 @@ TILE = (64, 4, 2)
 """(BLOCK_N, num_warps, num_stages): a pool in the model's dtype, and the batch-invariant mode."""
 FP8_TILE = (128, 4, 2)
 """An FP8 pool's, where the block size is a multiple of 128: on an H200 at Qwen3-8B's heads (256 sequences of
-~1,116 tokens) 164 us a layer against 207 with TILE (``apps/decode_kv_sweep.py``)."""
+~1,116 tokens) 171.1 us a layer, (128, 4, 3) 168.7, every other tile of the sweep 209 or more
+(``apps/decode_kv_sweep.py``)."""
 
 
 # The block-table width and the split count change from step to step, the window from layer to layer:
