@@ -11,10 +11,15 @@ the output (sum p v_stored * v_scale)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import triton
 import triton.language as tl
 
 from nanostream.kernels._device import LOG2E
+
+if TYPE_CHECKING:
+    import torch
 
 NO_WINDOW = 1 << 30
 """The ``window`` the kernels take for full causal attention: a runtime value (no variant of its own) that
@@ -127,7 +132,7 @@ def fold_kv_tile(
     return m_new, denom, acc
 
 
-def pool_strides(k_cache, v_cache) -> tuple[int, ...]:
+def pool_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
     """The strides the kernels take of a pool's two [num_blocks, block_size, Hkv, D] tensors: K's first three
     (its rows contiguous in D) and V's four (V the same, or row-fastest: an FP8 pool's, kv_pool.py)."""
     assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
