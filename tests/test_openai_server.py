@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import httpx
 import pytest
 from helpers import API_KEY, engine_processes, serve_http, wait_engine_idle
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
+from nanostream.frontends.engine_wait import EngineWait
 from nanostream.frontends.openai_server import OpenAIServer, create_app
 
 pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
@@ -327,6 +329,19 @@ def test_frontend_without_an_engine_address_says_what_to_give(monkeypatch, capsy
     err = capsys.readouterr().err
     assert "waiting up to 1 s for a local engine (`nanostream serve`)" in err
     assert "no local engine is running" in err and "NANOSTREAM_ADDRESS" in err.splitlines()[-1]
+
+
+def test_a_wait_whose_deadline_passes_mid_poll_still_says_what_to_give(monkeypatch):
+    # The deadline may pass between the wait's check and its pause (a slow write to stderr, a busy machine):
+    # the wait must end with its own message, not with a sleep of negative length.
+    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
+    for wait in (EngineWait(None, 0.05, "test"), EngineWait("tcp://127.0.0.1:9", 0.05, "test")):
+        monkeypatch.setattr(wait, "_say", lambda what: time.sleep(0.1))
+        if wait.engine is None:
+            with pytest.raises(ValueError, match="no local engine is running"):
+                anyio.run(wait.find)
+        else:
+            assert anyio.run(wait.until_reachable, wait.engine) is False
 
 
 # ---- 3. a client that hangs up ---------------------------------------------------------------------

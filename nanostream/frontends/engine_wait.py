@@ -70,7 +70,7 @@ class EngineWait:
             if len(engines) > 1 or self.left() <= 0:  # several: waiting would not choose one
                 return discover()  # raises, naming them (or saying there is none)
             self._say("a local engine (`nanostream serve`)")
-            await anyio.sleep(min(_POLL_S, self.left()))
+            await self._pause()
 
     async def until_reachable(self, address: str) -> bool:
         """Whether an engine listens at ``address`` within what is left of the wait."""
@@ -79,7 +79,7 @@ class EngineWait:
             if self.left() <= 0:
                 return False
             self._say(f"the engine at {address}")
-            await anyio.sleep(min(_POLL_S, self.left()))
+            await self._pause()
         return True
 
     def announce_if_absent(self) -> None:
@@ -92,6 +92,10 @@ class EngineWait:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    async def _pause(self) -> None:
+        # What is left is read again here: the deadline may have passed since the caller's check.
+        await anyio.sleep(min(_POLL_S, max(self.left(), 0.0)))
 
     def no_engine(self, address: str) -> str:
         within = f" within {self.seconds:g} s (--engine-wait)" if self.seconds else ""
