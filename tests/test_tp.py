@@ -492,5 +492,6 @@ def test_two_hosts_torchrun_style_serve_a_streaming_client(qwen3_dir, reference)
     finally:
         procs[0].terminate()
         codes = {rank: proc.wait(30) for rank, proc in procs.items()}
-    assert codes == {0: 0, 1: 0}  # rank 0 shut down cleanly and told rank 1 to stop
+    # rank 0 shut down cleanly and told rank 1 to stop (rank 1's last lines say how it ended if it did not)
+    assert codes == {0: 0, 1: 0}, "".join(logs[1][-40:])
     assert any("worker rank 1 stopping: the engine closed" in line for line in logs[1])
