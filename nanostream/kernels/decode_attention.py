@@ -84,18 +84,14 @@ def _decode_kernel(
     in_split_0 = tl.full([BLOCK_G], split, tl.int32) == 0  # a vector: the interpreter takes no scalar in a mask
     m, denom = softmax_start(sinks_ptr, heads, g_mask & in_split_0, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if ALL_MASKED or FP8_KV:
-        # One loop of masked tiles: the batch-invariant mode's (the prefill kernel's tiles), and an FP8 pool's
-        # (one loop, not three, takes fewer registers, so more programs share an SM; the masks cost ~3% of a tile).
-        for n0 in range(start, end, BLOCK_N):
-            m, denom, acc = fold_kv_tile(
-                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
-                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
-            )  # fmt: skip
-    else:
-        head_end = tl.where(start < lo, start + BLOCK_N, start)  # past the tile with keys before the window
-        full_end = tl.maximum(head_end, end // BLOCK_N * BLOCK_N)  # whole tiles from there need no mask
+    # An FP8 pool's tiles and the batch-invariant mode's (the prefill kernel's tiles) all take the masked path,
+    # in one loop: an FP8 pool's kernel then needs fewer registers (more programs share an SM; its masks cost
+    # ~3% of a tile). Otherwise the tile with keys before the window's start is masked, the whole tiles from
+    # there are not, and the last, partial tile is.
+    full_end = start
+    if not (ALL_MASKED or FP8_KV):
+        head_end = tl.where(start < lo, start + BLOCK_N, start)
+        full_end = tl.maximum(head_end, end // BLOCK_N * BLOCK_N)
         for n0 in range(start, head_end, BLOCK_N):  # at most one tile
             m, denom, acc = fold_kv_tile(
                 q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
@@ -108,12 +104,12 @@ def _decode_kernel(
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
                 PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
             )  # fmt: skip
-        for n0 in range(full_end, end, BLOCK_N):  # the last, partial tile (if any)
-            m, denom, acc = fold_kv_tile(
-                q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
-                PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
-            )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):
+        m, denom, acc = fold_kv_tile(
+            q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+            PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
+        )  # fmt: skip
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     empty = denom == 0.0  # a split past the end of a short sequence

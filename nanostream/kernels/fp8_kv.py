@@ -23,9 +23,7 @@ it would be NaN on some devices)."""
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` in float32, saturated at +-448, NaN as 0, as float8 e4m3 (``scale``: [1] float32): no
     pool byte is NaN, so the kernels may read a block's rows past a context's end and multiply them by 0."""
-    return (
-        (x.float() / scale).nan_to_num_(0.0, FP8_KV_MAX, -FP8_KV_MAX).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
-    )
+    return (x.float() / scale).nan_to_num_(0.0).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
 
 
 def dequantize_kv(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
