@@ -76,6 +76,22 @@ def test_quantizer_scales_each_group_to_its_range():
     assert torch.equal(q[2, 40:80].float(), torch.zeros(40))
 
 
+def test_quantizer_spans_programs_and_pads_rows_with_zeros():
+    # 71 groups of 32 (the last one of 5 columns): more than one program's tile of groups, the second partial;
+    # rows padded to 16 for cuBLASLt come back as zeros, the real rows as they are unpadded.
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 32 * 70 + 5, generator=gen) * torch.logspace(-2, 1, 5)[:, None]).to(DEVICE)
+    q, scale = quantize_per_token_group(x, 32)
+    qp, sp = quantize_per_token_group(x, 32, pad_rows_to=16)
+    assert qp.shape == (16, x.shape[1]) and sp.shape == (16, 71) and sp.stride() == (1, 16)
+    assert torch.equal(qp[:5].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:5], scale)
+    assert not qp[5:].float().any() and torch.isfinite(sp).all()
+    groups = x.cpu().double().reshape(5, -1)[:, : 70 * 32].reshape(5, 70, 32)
+    torch.testing.assert_close(scale[:, :70].cpu().double(), groups.abs().amax(2) / FP8_MAX, rtol=1e-6, atol=0)
+    back = dequantized(q.cpu(), scale.cpu(), (1, 32))
+    assert ((back - x.cpu().double()).norm(dim=1) / x.cpu().double().norm(dim=1)).max().item() < 0.05
+
+
 def test_launcher_rejects_mismatched_scales():
     xq, xs = quantize_per_token_group(torch.randn(4, 64, device=DEVICE), 32)
     wq = torch.zeros(16, 64, dtype=FP8, device=DEVICE)
@@ -138,12 +154,18 @@ def test_default_config_splits_k_only_where_n_tiles_leave_sms_idle(sms):
             else:  # ~3 programs per SM, each at least 4 groups of K
                 assert 2 * sms <= tiles * cfg.split_k <= 4 * sms and k // 128 >= 4 * cfg.split_k, (n, k, m, cfg)
     assert default_config(1, 4096, 256, sms).split_k == 1  # 2 groups: too few to split
-    assert default_config(17, 4096, 12288, sms).split_k == 1  # past the few-token steps
+    # 17-64 tokens: one 64-row tile, K split while the programs stay within the SMs
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]:
+        for m in (17, 64):
+            cfg = default_config(m, n, k, sms)
+            programs = -(-n // cfg.block_n) * cfg.split_k
+            assert cfg.block_m == 64 and (cfg.split_k == 1 or sms / 2 <= programs <= sms), (n, k, m, cfg)
+    assert default_config(65, 4096, 12288, sms).split_k == 1  # past them: cuBLASLt's, or one wide tile
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 64, 256, 4096])
+@pytest.mark.parametrize("m", [1, 40, 64, 256, 4096])
 @pytest.mark.parametrize("n, k", [(4096, 4096), (12288, 4096), (4096, 12288)])
 def test_block_scaled_matmul_at_qwen3_8b_shapes_gpu(m, n, k):
     gen = torch.Generator().manual_seed(m)
@@ -158,10 +180,10 @@ def test_block_scaled_matmul_at_qwen3_8b_shapes_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 16, 48])
 @pytest.mark.parametrize("layout", ["block", "row"])
 def test_split_k_compiled_is_bit_identical_eager_and_in_a_cuda_graph_gpu(m, layout):
-    # down_proj's shape at decode, split 1, 3 (the default at 132 SMs) and 8 ways
+    # down_proj's shape at decode, split 1, 3 (the default at 132 SMs) and 8 ways, and the default config
     n, k = 4096, 12288
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).cuda().bfloat16()
@@ -172,14 +194,13 @@ def test_split_k_compiled_is_bit_identical_eager_and_in_a_cuda_graph_gpu(m, layo
     xq, xs = quantize_per_token_group(x, group)
     ref = dequantized(xq.cpu(), xs.cpu(), (1, group)) @ dequantized(wq, ws, block).T + bias.cpu().double()
     args = xq, xs, wq.cuda(), ws.cuda(), block, torch.bfloat16
-    for splits in (1, 3, 8):
-        config = Config(16, 32, 128, 4, 4, splits)
+    for config in (*(Config(16, 32, 128, 4, 4, splits) for splits in (1, 3, 8)), None):  # None: the default's
         out = fp8_scaled_matmul(*args, bias=bias, config=config)
-        assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, splits
-        assert torch.equal(out, fp8_scaled_matmul(*args, bias=bias, config=config)), splits
+        assert ((out.cpu().double() - ref).norm() / ref.norm()).item() < 1e-2, config
+        assert torch.equal(out, fp8_scaled_matmul(*args, bias=bias, config=config)), config
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = fp8_scaled_matmul(*args, bias=bias, config=config)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, captured), splits
+        assert torch.equal(out, captured), config

@@ -39,34 +39,47 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_sm, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.constexpr
-):
-    # One program per (row, group): scale = amax / 448 (at least a tiny floor: an all-zero group gives zeros).
+    x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    # One program per (row, GROUPS consecutive groups): a [GROUPS, BLOCK] tile, each group's scale its amax / 448
+    # (at least a tiny floor: an all-zero group gives zeros). Rows from M on (the padding a caller asked for) are
+    # zeros with the floor's scale.
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
-    q = tl.clamp(x / scale, -448.0, 448.0)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    within = tl.arange(0, BLOCK)
+    cols = groups[:, None] * GROUP + within[None, :]
+    mask = (within < GROUP)[None, :] & (cols < K)
+    live = (within < GROUP)[None, :] & (cols < tl.where(row < M, K, 0))  # a padding row reads nothing
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 
 
-def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (q [M, K] float8_e4m3fn, scale [M, ceil(K / group)] float32).
+QUANT_TILE = 2048  # elements a quantizer program takes (16 a thread): whole groups of a row, or one longer group
 
-    The scales are column-major (strides (1, M)), as torch's block-scaled ``scaled_mm`` reads them."""
+
+def quantize_per_token_group(x: torch.Tensor, group: int, pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) -> (q [M', K] float8_e4m3fn, scale [M', ceil(K / group)] float32), M' = M rounded
+    up to a multiple of ``pad_rows_to``; the padding rows are zeros (cuBLASLt's block-scaled GEMM takes rows in
+    16s).
+
+    The scales are column-major (strides (1, M')), as torch's block-scaled ``scaled_mm`` reads them."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
-    assert group >= 1, group
+    assert group >= 1 and pad_rows_to >= 1, (group, pad_rows_to)
     m, k = x.shape
+    rows = -(-m // pad_rows_to) * pad_rows_to
     groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty_strided((m, groups), (1, m), dtype=torch.float32, device=x.device)
-    if m and k:
-        _quantize_kernel[(m, groups)](
-            x, q, scale, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), k,
-            GROUP=group, BLOCK=triton.next_power_of_2(group),
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    scale = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32, device=x.device)
+    if rows and k:
+        block = triton.next_power_of_2(group)
+        per_program = max(1, min(QUANT_TILE // block, triton.next_power_of_2(groups)))
+        _quantize_kernel[(rows, triton.cdiv(groups, per_program))](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            GROUP=group, BLOCK=block, GROUPS=per_program, num_warps=8 if block * per_program > QUANT_TILE else 4,
         )  # fmt: skip
     return q, scale
 
@@ -154,6 +167,8 @@ class Config(NamedTuple):
 FEW_TOKENS = 16  # up to these many rows the tile is 16 high, the weight's streaming the cost, and K may split
 PROGRAMS_PER_SM = 3  # what a split K aims at: ~3 programs resident on each SM keep enough weight loads in flight
 MIN_STEPS_PER_SPLIT = 4  # a split walks at least 4 steps of 128 columns: its partial's write-back stays small
+FEW_TOKENS_64 = 64  # up to these many rows one 64-row tile, K split until ~3/4 of the SMs have a program
+SPLIT_FILL_64 = 0.75
 SUM_BLOCK = 512  # columns per program of the partials' sum
 
 
@@ -163,8 +178,11 @@ def default_config(m: int, n: int, k: int, sms: int) -> Config:
     Few tokens: tiles of 16 x 64, and where those alone leave the SMs short of programs (fewer than 2 per SM) K
     splits until ~3 per SM stream the weight, each split at least 4 steps of 128 columns (the best of
     ``apps/fp8_gemm_sweep.py --split-k`` at 1 and 4 tokens for each of Qwen3-8B's projections on an H200).
-    More tokens: wide tiles, one split (the step is compute-bound). Pure Python, a few operations: it
-    runs on every call.
+    17 to 64 tokens: one tile of 64 x 128 down the rows, K split until ~3/4 of the SMs have a program (the
+    best of apps/fp8_gemm_sweep.py's mid-M tiles at 64 tokens for each projection; there the four
+    projections take 0.87x the time of cuBLASLt's block-scaled GEMM, whose 128-row tiles and single split
+    leave o_proj and down_proj 32 programs). More tokens: wide tiles, one split (the step is compute-bound;
+    fp8_linear gives those to cuBLASLt). Pure Python, a few operations: it runs on every call.
 
     >>> default_config(1, 4096, 12288, 132)  # Qwen3-8B's down_proj at decode on an H200: 64 tiles x 6 splits
     Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=6)
@@ -175,8 +193,10 @@ def default_config(m: int, n: int, k: int, sms: int) -> Config:
         if tiles < 2 * sms:
             splits = max(1, min(round(PROGRAMS_PER_SM * sms / tiles), triton.cdiv(k, 128) // MIN_STEPS_PER_SPLIT))
         return Config(16, 64, 128, 4, 4, splits)
-    if m <= 64:
-        return Config(64, 64, 128, 4, 4)
+    if m <= FEW_TOKENS_64:
+        tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+        splits = max(1, min(round(SPLIT_FILL_64 * sms / tiles), triton.cdiv(k, 128) // MIN_STEPS_PER_SPLIT))
+        return Config(64, 128, 128, 4, 4, splits)
     return Config(128, 128, 128, 8, 3)
 
 

@@ -9,7 +9,7 @@ per-tensor parts (q, k, v) holds each part's scale on its rows, so nothing is re
 streaming) multiplies the weight in the activation's own dtype (nanostream/kernels/fp8_gemv.py: no quantizer,
 no tensor cores). More tokens have their activations quantized as they enter, per token and per
 group of ``bi`` columns (per token for a per-row layout), and multiplied by an FP8 GEMM: the Triton
-block-scaled kernel (nanostream/kernels/fp8_gemm.py) up to 16 tokens (64 for per-row scales), torch's
+block-scaled kernel (nanostream/kernels/fp8_gemm.py) up to 64 tokens, torch's
 block-scaled or row-wise scaled GEMM above. All run on the device alone, so CUDA graphs capture them.
 Elsewhere (the CPU reference, tests) the weight is dequantized in the call and the activations stay as they
 are: what a dequantized checkpoint computes.
@@ -97,7 +97,7 @@ def fp8_linear(
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)
     elif block == (128, 128) and m > TRITON_MAX_ROWS["block"] and _block_scaled_mm_takes(weight.shape, x.dtype):
         # cuBLASLt's block-scaled GEMM takes whole groups of 16 rows: the activations padded
-        xq, xs = quantize_per_token_group(F.pad(x2, (0, 0, 0, -m % 16)) if m % 16 else x2, 128)
+        xq, xs = quantize_per_token_group(x2, 128, pad_rows_to=16)
         y = _block_scaled_mm(xq, xs, weight, scale, x.dtype)[:m]
         if bias is not None:
             y += bias
@@ -107,10 +107,10 @@ def fp8_linear(
     return y.reshape(*lead, -1)
 
 
-TRITON_MAX_ROWS = {"row": 64, "block": 16}
-"""Up to these many tokens the Triton GEMM runs (faster where a step streams the weight: decode), above them
-torch's (cuBLASLt's row-wise and block-wise scaled FP8 GEMMs: 1.5-2.5x the Triton kernel's speed at 256+
-tokens on an H200, BENCHMARKS.md)."""
+TRITON_MAX_ROWS = {"row": 64, "block": 64}
+"""Up to these many tokens the Triton GEMM runs (faster where a step streams the weight: decode, K split to
+fill the SMs), above them torch's (cuBLASLt's row-wise and block-wise scaled FP8 GEMMs: 1.5x the Triton
+kernel's speed at 128-256 tokens on an H200 and 2x at 1,024, BENCHMARKS.md)."""
 
 
 @functools.cache
