@@ -48,7 +48,8 @@ def _qkv_prologue_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
     F32_WEIGHT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: its q heads go to q_out, its k (normed, rotated) and v heads to slot `slot`.
+    # Two programs per token: (t, 0) takes its q heads to q_out, (t, 1) its k (normed, rotated) and v heads to
+    # slot `slot` (at decode batch sizes the two halves' latencies overlap instead of adding up).
     HALF: tl.constexpr = HEAD_DIM // 2
     DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
@@ -58,21 +59,20 @@ def _qkv_prologue_kernel(
     # The cos/sin tables are float32; the unfused rotary casts them to the model dtype first.
     cos = tl.load(cos_ptr + pos * stride_cos + j, mask=jm).to(DTYPE).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_cos + j, mask=jm).to(DTYPE).to(tl.float32)[None, :]
-    # Without a norm the weight pointers are the cos table's, loaded and unused.
-    w1 = tl.load(q_w_ptr + j, mask=jm).to(tl.float32)
-    w2 = tl.load(q_w_ptr + HALF + j, mask=jm).to(tl.float32)
-    kw1 = tl.load(k_w_ptr + j, mask=jm).to(tl.float32)
-    kw2 = tl.load(k_w_ptr + HALF + j, mask=jm).to(tl.float32)
     row = qkv_ptr + t * stride_t
-
-    h = tl.arange(0, BLOCK_H)[:, None]
-    m = (h < NUM_HEADS) & jm[None, :]
-    offs = h * HEAD_DIM + j[None, :]
-    x1 = tl.load(row + offs, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(row + offs + HALF, mask=m, other=0.0).to(tl.float32)
-    o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
-    tl.store(q_out_ptr + t * stride_qo + offs, o1, mask=m)
-    tl.store(q_out_ptr + t * stride_qo + offs + HALF, o2, mask=m)
+    if tl.program_id(1) == 0:
+        # Without a norm the weight pointers are the cos table's, loaded and unused.
+        w1 = tl.load(q_w_ptr + j, mask=jm).to(tl.float32)
+        w2 = tl.load(q_w_ptr + HALF + j, mask=jm).to(tl.float32)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        m = (h < NUM_HEADS) & jm[None, :]
+        offs = h * HEAD_DIM + j[None, :]
+        x1 = tl.load(row + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(row + offs + HALF, mask=m, other=0.0).to(tl.float32)
+        o1, o2 = _norm_rope(x1, x2, w1, w2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
+        tl.store(q_out_ptr + t * stride_qo + offs, o1, mask=m)
+        tl.store(q_out_ptr + t * stride_qo + offs + HALF, o2, mask=m)
+        return
 
     slot = tl.load(slot_ptr + t)
     if slot < 0:  # padding (a CUDA-graph batch filled up to its bucket): nothing to store
@@ -81,6 +81,8 @@ def _qkv_prologue_kernel(
     m = (h < NUM_KV_HEADS) & jm[None, :]
     offs = h * HEAD_DIM + j[None, :]
     k_row = row + NUM_HEADS * HEAD_DIM
+    kw1 = tl.load(k_w_ptr + j, mask=jm).to(tl.float32)
+    kw2 = tl.load(k_w_ptr + HALF + j, mask=jm).to(tl.float32)
     x1 = tl.load(k_row + offs, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(k_row + offs + HALF, mask=m, other=0.0).to(tl.float32)
     o1, o2 = _norm_rope(x1, x2, kw1, kw2, cos, sin, eps, weight_offset, HEAD_DIM, NORM, F32_WEIGHT, DTYPE)
@@ -150,7 +152,7 @@ def qkv_prologue(
     assert q.shape == (num_tokens, num_heads, head_dim) and q.dtype == qkv.dtype and q.is_contiguous(), q.shape
     if num_tokens == 0:
         return q
-    _qkv_prologue_kernel[(num_tokens,)](
+    _qkv_prologue_kernel[(num_tokens, 2)](
         qkv, positions, cos, sin,
         q_norm_weight if norm else cos, k_norm_weight if norm else cos,  # unread without a norm
         q, k_cache, v_cache, slot_mapping,
