@@ -11,6 +11,11 @@ kernel (default and one split) and the FP8 weight's byte floor. Each timed call 
 several copies of the weight (256 MB or more in all): a decode step streams every layer's weight once, so
 none may sit in the 50 MB L2 from the previous call.
 
+``--mid``, 17 to 256 tokens (the decode steps of a busy server): the Triton block-scaled kernel over tiles of 32 to
+128 rows times K splits (splits only while the tiles leave SMs idle) against torch's block-scaled F.scaled_mm
+(cuBLASLt, rows padded to 16s), ``default_config``'s pick, bf16 F.linear and the activation quantizer, weights
+rotated as in ``--split-k``; the last lines add up a layer's four projections.
+
 ``--gemv``, 1 and 4 tokens: the weight-streaming kernel (nanostream/kernels/fp8_gemv.py, x unquantized) over
 its tiles, steps, stages and splits, against the block kernel with its activation quantizer (what a
 layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
@@ -18,6 +23,7 @@ layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
     python3 apps/fp8_gemm_sweep.py              # from the repository root
     python3 apps/fp8_gemm_sweep.py --split-k
     python3 apps/fp8_gemm_sweep.py --gemv
+    python3 apps/fp8_gemm_sweep.py --mid --tokens 64 128 256
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, ".")
@@ -168,6 +175,80 @@ def split_sweep(tokens: tuple[int, ...], rep: int) -> None:
         torch.cuda.empty_cache()
 
 
+MID_TOKENS = (17, 32, 64, 128, 192, 256)
+MID_TILES = [
+    (bm, bn, 128, warps, stages)
+    for bm, bn, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4))
+    if warps == 4 or bm * bn >= 64 * 128
+] + [(32, 64, 128, 4, 4), (32, 128, 128, 4, 4)]
+MID_SPLITS = (1, 2, 3)
+
+
+def mid_configs(m: int, n: int, sms: int) -> list[Config]:
+    """MID_TILES no taller than ``m`` needs, times the splits while the tiles leave SMs idle (<= 4 programs an SM)."""
+    configs = []
+    for tile, splits in itertools.product(MID_TILES, MID_SPLITS):
+        tiles = -(-m // tile[0]) * -(-n // tile[1])
+        fits = tile[0] <= max(32, triton.next_power_of_2(m))
+        if fits and (splits == 1 or (tiles < sms and tiles * splits <= 4 * sms)):
+            configs.append(Config(*tile, splits))
+    return configs
+
+
+def mid_case(n: int, k: int, m: int, blocks: list, dense: list, sms: int, rep: int) -> tuple[str, tuple]:
+    """One shape and token count of ``--mid``: its line, and (bf16, quantizer, cuBLASLt, default, best) in us."""
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    xq, xs = quantize_per_token_group(x, 128)
+    xp, xps = quantize_per_token_group(x, 128, pad_rows_to=16)
+    rotation, rotation_bf16 = itertools.cycle(blocks), itertools.cycle(dense)
+
+    def block_call(cfg: Config) -> Callable[[], torch.Tensor]:
+        return lambda: fp8_scaled_matmul(xq, xs, *next(rotation), (128, 128), BF16, config=cfg)
+
+    want = fp8_scaled_matmul(xq, xs, *blocks[0], (128, 128), BF16).float()
+    default = default_config(m, n, k, sms)
+    times = timed_configs(list(dict.fromkeys([default, *mid_configs(m, n, sms)])), block_call, want, 1e-2, rep)
+    ranked = sorted(times, key=times.get)
+    row = (
+        us(lambda: F.linear(x, next(rotation_bf16)), rep=rep),
+        us(lambda: quantize_per_token_group(x, 128), rep=rep),
+        us(lambda: _block_scaled_mm(xp, xps, *next(rotation), BF16), rep=rep),
+        times.get(default, float("nan")),
+        times[ranked[0]],
+    )
+    line = (
+        f"{NAMES[n, k]} N={n} K={k} M={m}: bf16 {row[0]:.1f} | quantizer {row[1]:.1f} | cuBLASLt block {row[2]:.1f}"
+        f" | triton default {short(default)} {row[3]:.1f} | best "
+        + ", ".join(f"{short(c)} {times[c]:.1f}" for c in ranked[:3])
+    )
+    return line, row
+
+
+def mid_sweep(tokens: tuple[int, ...], rep: int) -> None:
+    sms = num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; us per call, CUDA graphs, weights rotated", flush=True)
+    totals = {m: [0.0] * 5 for m in tokens}  # bf16, quantizer, cuBLASLt, default, best
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda") * 0.02
+        copies = -(-ROTATE_BYTES // (n * k))
+        block = quantize(w, (128, 128))
+        blocks = [tuple(t.clone() for t in block) for _ in range(copies)]
+        dense = [w.to(BF16) for _ in range(copies)]
+        del w, block
+        for m in tokens:
+            line, row = mid_case(n, k, m, blocks, dense, sms, rep)
+            totals[m] = [t + v for t, v in zip(totals[m], row)]
+            print(line, flush=True)
+        del blocks, dense
+        torch.cuda.empty_cache()
+    for m, (bf16, quant, cublas, default, best) in totals.items():
+        print(
+            f"a layer's four at M={m}: bf16 {bf16:.1f} us, quantizer {quant:.1f}, cuBLASLt {cublas:.1f}, "
+            f"triton default {default:.1f}, triton best {best:.1f}",
+            flush=True,
+        )
+
+
 GEMV_TILES = tuple(itertools.product((16, 32, 64), (1, 2, 4), (4,), (2, 4)))  # block_n, groups, warps, stages
 
 
@@ -235,8 +316,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split-k", action="store_true", help="the few-token split-K sweep alone (about a minute)")
     parser.add_argument("--gemv", action="store_true", help="the weight-streaming kernel's sweep (a few minutes)")
+    parser.add_argument("--mid", action="store_true", help="17-256 tokens: Triton tiles and splits against cuBLASLt")
     parser.add_argument(
-        "--tokens", type=int, nargs="+", default=None, help="token counts (--split-k: 1 4 16, --gemv: 1 4)"
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="token counts (--split-k: 1 4 16, --gemv: 1 4, --mid: 17 32 64 128 192 256)",
     )
     parser.add_argument("--rep", type=int, default=10, help="--split-k's and --gemv's timing per config, ms of replays")
     args = parser.parse_args()
@@ -245,6 +331,8 @@ def main() -> None:
     start = time.perf_counter()
     if args.split_k:
         split_sweep(tuple(args.tokens or SPLIT_TOKENS), args.rep)
+    elif args.mid:
+        mid_sweep(tuple(args.tokens or MID_TOKENS), args.rep)
     elif args.gemv:
         gemv_sweep(tuple(args.tokens or (1, 4)), args.rep)
     else:
