@@ -168,7 +168,7 @@ FEW_TOKENS = 16  # up to these many rows the tile is 16 high, the weight's strea
 PROGRAMS_PER_SM = 3  # what a split K aims at: ~3 programs resident on each SM keep enough weight loads in flight
 MIN_STEPS_PER_SPLIT = 4  # a split walks at least 4 steps of 128 columns: its partial's write-back stays small
 FEW_TOKENS_64 = 64  # up to these many rows one 64-row tile, K split until ~3/4 of the SMs have a program
-SPLIT_FILL_64 = 0.75
+SPLIT_FILL_64 = 0.75  # the share of the SMs a 17-64-token split aims to give a program (the sweep's best)
 SUM_BLOCK = 512  # columns per program of the partials' sum
 
 
