@@ -226,8 +226,12 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         """The rows at ``slots`` of a [num_blocks, bs, Hkv, D] pool (either layout), dequantized to ``dtype``
         where the pool is FP8 (``scale`` given)."""
-        rows = pool[slots // bs, slots % bs]
-        return rows if scale is None else dequantize_kv(rows, scale, dtype)
+        return TorchAttention._read(pool[slots // bs, slots % bs], scale, dtype)
+
+    @staticmethod
+    def _read(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Values read from the pool as they are, or dequantized to ``dtype`` where it is FP8 (``scale`` given)."""
+        return stored if scale is None else dequantize_kv(stored, scale, dtype)
 
     @staticmethod
     def _slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -258,9 +262,8 @@ class TorchAttention(AttentionBackend):
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
-        k = cache.k[tables] if k_scale is None else dequantize_kv(cache.k[tables], k_scale, q.dtype)
-        v = cache.v[tables] if v_scale is None else dequantize_kv(cache.v[tables], v_scale, q.dtype)
-        k, v = (t.flatten(1, 2).transpose(1, 2) for t in (k, v))  # [B, Hkv, nb*bs, D]
+        k = self._read(cache.k[tables], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
+        v = self._read(cache.v[tables], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
         pos = torch.arange(k.shape[2], device=q.device)[None, :]
         mask = pos < meta.seq_lens[:, None]  # [B, L]
         if window is not None:
