@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634  # log2(e): the attention kernels take softmax scale * LOG2E and work in base 2
 
@@ -27,3 +30,24 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether the small kernels between a layer's projections launch as programmatic dependents on ``device``
+    (CUDA's programmatic dependent launch, Hopper and later): such a kernel is launched while the one before it
+    still runs, waits in ``wait_for_producer`` and so starts without the launch gap. The one-token FP8 kernel
+    lets its successor launch from its first instruction. In a CUDA graph, at batch 1 on an H200, the Qwen3-8B
+    shape's step takes 3.14 ms with FP8 weights against 3.26 without it, bf16's 4.87 against 4.94.
+    """
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """A programmatic dependent's first step (``PDL``: launched as one): wait until the kernel before it has
+    finished and its writes are visible, then let the kernel after it launch. Nothing may be read or written
+    before it: the kernel before may still be writing what this one reads, or reading what it writes."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.kernels._device import LOG2E, num_sms
+from nanostream.kernels._device import LOG2E, num_sms, pdl, wait_for_producer
 from nanostream.kernels.attention_tile import (
     fold_kv_tile,
     in_page,
@@ -53,8 +53,9 @@ def _decode_kernel(
     stride_tb, stride_ob, stride_oh, num_splits, window,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr,
+    FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producer(PDL)
     if FP8_KV:  # the stored keys' scale joins the logits' (the scale pointers are unread otherwise)
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     b = tl.program_id(0)
@@ -129,9 +130,10 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per (sequence, query head): weight each split's output by its share of the mass.
+    wait_for_producer(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * num_heads + h
@@ -221,10 +223,11 @@ def paged_decode_attention(
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
         ALL_MASKED=batch_invariant, IN_PAGE=in_page(page, block_n), num_warps=warps, num_stages=stages,
+        PDL=pdl(q.device), launch_pdl=pdl(q.device),
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            D=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
+            D=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, PDL=pdl(q.device), launch_pdl=pdl(q.device),
         )  # fmt: skip
     return out

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import num_sms
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from ._device import num_sms, pdl
 from .fp8_gemm import FP8, sum_splits
 
 MAX_ROWS = 4  # up to these many tokens the weight-streaming kernel runs (its rows unrolled)
@@ -34,10 +36,12 @@ def _gemv_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_N_SCALE: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, C: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, C: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (pid_n, split): columns [pid_n * BLOCK_N, +BLOCK_N) over split s's contiguous range of K's steps of
     # C * G columns. acc [BLOCK_N, ROWS]: each row of x's share of y, float32.
+    if PDL:  # the kernel after it may launch now and wait for it (wait_for_producer)
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     steps = tl.cdiv(K, C * G)
@@ -154,7 +158,7 @@ def fp8_gemv(
         x.stride(0), w.stride(0), w_scale.stride(0), stride_os, stride_om,
         BLOCK_N_SCALE=block[0], ONE_GROUP=block[1] >= k, HAS_BIAS=bias is not None and splits == 1,
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, C=cfg.groups, G=GROUP, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
+        PDL=pdl(x.device), num_warps=cfg.num_warps,
     )  # fmt: skip
     if splits > 1:
         sum_splits(part, bias, out)

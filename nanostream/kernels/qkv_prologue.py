@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanostream.kernels._device import pdl, wait_for_producer
 from nanostream.kernels.attention_tile import pool_strides
 from nanostream.kernels.fp8_kv import check_kv_scales
 from nanostream.kernels.store_kv import quantize_fp8
@@ -46,10 +47,11 @@ def _qkv_prologue_kernel(
     stride_t, stride_qo, stride_cs, stride_vb, stride_vs, stride_vh, stride_vd, stride_cos, eps, weight_offset,
     PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
-    F32_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+    F32_WEIGHT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Two programs per token: (t, 0) takes its q heads to q_out, (t, 1) its k (normed, rotated) and v heads to
     # slot `slot` (at decode batch sizes the two halves' latencies overlap instead of adding up).
+    wait_for_producer(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     DTYPE: tl.constexpr = q_out_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
@@ -162,6 +164,6 @@ def qkv_prologue(
         PAGE=k_cache.shape[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, F32_WEIGHT=weight_offset is not None,
-        FP8=fp8,
+        FP8=fp8, PDL=pdl(qkv.device), launch_pdl=pdl(qkv.device),
     )  # fmt: skip
     return q
