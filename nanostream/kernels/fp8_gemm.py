@@ -136,7 +136,15 @@ def _scaled_matmul_kernel(
 
 @triton.jit
 def _sum_splits_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    num_splits,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)

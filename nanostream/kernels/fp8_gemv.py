@@ -20,7 +20,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._device import num_sms, pdl

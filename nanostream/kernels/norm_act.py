@@ -79,7 +79,13 @@ def rms_norm(
 
 @triton.jit
 def _act_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, SIZE: tl.constexpr, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GELU_TANH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Program (row, tile): out[row, tile] = act(gate) * up, gate and up the two halves of x's row.
@@ -116,7 +122,14 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     block = min(triton.next_power_of_2(size), 1024)
     if x.shape[0]:
         _act_and_mul_kernel[(x.shape[0], triton.cdiv(size, block))](
-            x, out, x.stride(0), out.stride(0), SIZE=size, BLOCK=block, GELU_TANH=gelu_tanh,
-            PDL=pdl(x.device), launch_pdl=pdl(x.device),
+            x,
+            out,
+            x.stride(0),
+            out.stride(0),
+            SIZE=size,
+            BLOCK=block,
+            GELU_TANH=gelu_tanh,
+            PDL=pdl(x.device),
+            launch_pdl=pdl(x.device),
         )
     return out
