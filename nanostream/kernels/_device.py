@@ -7,7 +7,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.4 and later (the launcher's launch_pdl too)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # older Triton: nothing launches as a dependent
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634  # log2(e): the attention kernels take softmax scale * LOG2E and work in base 2
 
@@ -34,13 +38,18 @@ def num_sms(device: torch.device) -> int:
 
 @functools.cache
 def pdl(device: torch.device) -> bool:
-    """Whether the small kernels between a layer's projections launch as programmatic dependents on ``device``
-    (CUDA's programmatic dependent launch, Hopper and later): such a kernel is launched while the one before it
-    still runs, waits in ``wait_for_producer`` and so starts without the launch gap. The one-token FP8 kernel
-    lets its successor launch from its first instruction. In a CUDA graph, at batch 1 on an H200, the Qwen3-8B
-    shape's step takes 3.14 ms with FP8 weights against 3.26 without it, bf16's 4.87 against 4.94.
-    """
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on ``device`` may launch as programmatic dependents (CUDA's programmatic dependent launch,
+    Hopper and later): such a kernel is launched while the one before it still runs and waits for it in
+    ``wait_for_producer``, which takes the launch gap off a chain of small kernels (the batch-1 step's
+    norms, attention prologue, attention and activation: BENCHMARKS.md, the FP8 section)."""
+    return gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A small kernel's launch keywords on ``device``: ``PDL`` for its ``wait_for_producer``, and Triton's
+    ``launch_pdl`` where it launches as a dependent (absent otherwise: Triton before 3.4 knows no such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
 
 
 @triton.jit
@@ -50,4 +59,12 @@ def wait_for_producer(PDL: tl.constexpr):
     before it: the kernel before may still be writing what this one reads, or reading what it writes."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def let_dependents_launch(PDL: tl.constexpr):
+    """For a kernel launched in order (``PDL``: its successor may be a dependent): the next kernel may launch
+    now and wait for this one in its ``wait_for_producer``."""
+    if PDL:
         gdc_launch_dependents()

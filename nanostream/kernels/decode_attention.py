@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.kernels._device import LOG2E, num_sms, pdl, wait_for_producer
+from nanostream.kernels._device import LOG2E, num_sms, pdl_launch, wait_for_producer
 from nanostream.kernels.attention_tile import (
     fold_kv_tile,
     in_page,
@@ -223,11 +223,11 @@ def paged_decode_attention(
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
         ALL_MASKED=batch_invariant, IN_PAGE=in_page(page, block_n), num_warps=warps, num_stages=stages,
-        PDL=pdl(q.device), launch_pdl=pdl(q.device),
+        **pdl_launch(q.device),
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
             part, lse, out, out.stride(0), out.stride(1), num_heads, splits,
-            D=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, PDL=pdl(q.device), launch_pdl=pdl(q.device),
+            D=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, **pdl_launch(q.device),
         )  # fmt: skip
     return out

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 # relative: apps load nanostream/kernels/ as a package of its own where nanostream cannot be imported
-from ._device import num_sms, pdl, wait_for_producer
+from ._device import num_sms, pdl_launch, wait_for_producer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -136,17 +136,9 @@ def _scaled_matmul_kernel(
 
 @triton.jit
 def _sum_splits_kernel(
-    part_ptr,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    num_splits,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     wait_for_producer(PDL)
     # One program per (row, BLOCK columns): the partials [num_splits, M, N] added in split order, no atomics, so
     # that the same inputs give the same bits (a CUDA graph's replays too); then the bias and out's dtype.
@@ -275,5 +267,5 @@ def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor)
     splits, m, n = part.shape
     _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
         part, out if bias is None else bias, out, m, n, splits, out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, PDL=pdl(part.device), launch_pdl=pdl(part.device),
+        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, **pdl_launch(part.device),
     )  # fmt: skip

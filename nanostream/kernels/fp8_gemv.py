@@ -20,9 +20,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from ._device import num_sms, pdl
+from ._device import let_dependents_launch, num_sms, pdl
 from .fp8_gemm import FP8, sum_splits
 
 MAX_ROWS = 4  # up to these many tokens the weight-streaming kernel runs (its rows unrolled)
@@ -39,8 +38,7 @@ def _gemv_kernel(
 ):  # fmt: skip
     # Program (pid_n, split): columns [pid_n * BLOCK_N, +BLOCK_N) over split s's contiguous range of K's steps of
     # C * G columns. acc [BLOCK_N, ROWS]: each row of x's share of y, float32.
-    if PDL:  # the kernel after it may launch now and wait for it (wait_for_producer)
-        gdc_launch_dependents()
+    let_dependents_launch(PDL)  # launched in order; the small kernel after it may launch now
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     steps = tl.cdiv(K, C * G)

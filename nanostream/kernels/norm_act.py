@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import pdl, wait_for_producer
+from ._device import pdl_launch, wait_for_producer
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def rms_norm(
             x2, res, weight, out, res_out,
             x2.stride(0), res.stride(0), out.stride(0), res_out.stride(0), eps, float(weight_offset or 0.0),
             SIZE=size, BLOCK=triton.next_power_of_2(size), RESIDUAL=residual is not None,
-            F32_WEIGHT=weight_offset is not None, PDL=pdl(x.device), launch_pdl=pdl(x.device),
+            F32_WEIGHT=weight_offset is not None, **pdl_launch(x.device),
             num_warps=min(max(triton.next_power_of_2(size) // 256, 1), 16),
         )  # fmt: skip
     if residual is None:
@@ -79,15 +79,9 @@ def rms_norm(
 
 @triton.jit
 def _act_and_mul_kernel(
-    x_ptr,
-    out_ptr,
-    stride_x,
-    stride_o,
-    SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GELU_TANH: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    x_ptr, out_ptr, stride_x, stride_o,
+    SIZE: tl.constexpr, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     # Program (row, tile): out[row, tile] = act(gate) * up, gate and up the two halves of x's row.
     wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -122,14 +116,6 @@ def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     block = min(triton.next_power_of_2(size), 1024)
     if x.shape[0]:
         _act_and_mul_kernel[(x.shape[0], triton.cdiv(size, block))](
-            x,
-            out,
-            x.stride(0),
-            out.stride(0),
-            SIZE=size,
-            BLOCK=block,
-            GELU_TANH=gelu_tanh,
-            PDL=pdl(x.device),
-            launch_pdl=pdl(x.device),
-        )
+            x, out, x.stride(0), out.stride(0), SIZE=size, BLOCK=block, GELU_TANH=gelu_tanh, **pdl_launch(x.device)
+        )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.kernels._device import pdl, wait_for_producer
+from nanostream.kernels._device import pdl_launch, wait_for_producer
 from nanostream.kernels.attention_tile import pool_strides
 from nanostream.kernels.fp8_kv import check_kv_scales
 from nanostream.kernels.store_kv import quantize_fp8
@@ -164,6 +164,6 @@ def qkv_prologue(
         PAGE=k_cache.shape[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, F32_WEIGHT=weight_offset is not None,
-        FP8=fp8, PDL=pdl(qkv.device), launch_pdl=pdl(qkv.device),
+        FP8=fp8, **pdl_launch(qkv.device),
     )  # fmt: skip
     return q
