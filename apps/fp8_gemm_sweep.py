@@ -249,7 +249,7 @@ def mid_sweep(tokens: tuple[int, ...], rep: int) -> None:
         )
 
 
-GEMV_TILES = tuple(itertools.product((16, 32, 64), (1, 2, 4), (4,), (2, 4)))  # block_n, groups, warps, stages
+GEMV_TILES = tuple(itertools.product((16, 32, 64), (1, 2, 4), (4,), (2, 3, 4)))  # block_n, groups, warps, stages
 
 
 def gemv_configs(n: int, k: int, sms: int) -> list[GemvConfig]:

@@ -1,13 +1,16 @@
 """The few-token FP8 kernel (nanostream.kernels.fp8_gemv): x in its own dtype times an e4m3 weight with its
 scales, against float64 matmuls of x and the dequantized weight, in the layouts FP8 checkpoints use (block-wise
 128-column groups, per-channel, per-tensor), 1 to 4 rows, shapes no tile divides, K split (empty splits too),
-a bias, and the same bits from call to call. On the CPU under Triton's interpreter; gpu-marked cases compiled
-at Qwen3-8B's shapes, eager and in a CUDA graph, and through the layer (fp8_linear) against torch."""
+a bias, and the same bits from call to call; with the MLP's activation in its epilogue, the bits of the GEMV
+and then norm_act's kernel. On the CPU under Triton's interpreter; gpu-marked cases compiled at Qwen3-8B's
+shapes, eager and in a CUDA graph, and through the layer (fp8_linear) against torch."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config, gemv_takes
+from nanostream.kernels.norm_act import act_and_mul
 from tests.test_fp8_gemm import dequantized, quantize_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,8 +60,33 @@ def test_gemv_takes_few_rows_of_the_layouts_it_reads():
     assert not gemv_takes(0, (128, 128), 4096)
     assert not gemv_takes(1, (64, 64), 4096)  # a step's scale covers 128 columns
     assert not gemv_takes(1, (48, 128), 4096)  # a tile of 32 rows would straddle two scale rows
+    assert gemv_takes(1, (48, 128), 4096, block_n=16)  # a fused [gate | up]'s tile of 32: 16 of each
     with pytest.raises(AssertionError, match="does not take"):
         fp8_gemv(torch.zeros(5, 128), torch.zeros(32, 128).to(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_gated_gemv_is_the_gemv_then_the_activation_kernel_bit_for_bit(act, layout):
+    # A fused [gate | up] of 2 x I rows (I whole blocks of the scales' rows; per-channel: I = 88, a partial tile
+    # of pairs), K = 600; one split (the fused epilogue) in tiles of 32 and 16 rows, with and without a bias,
+    # and a split K (the sum, then norm_act's kernel); in bfloat16, whose roundings (each projection's, then
+    # act(gate)'s) the epilogue must repeat.
+    k = 600
+    m, (block, inter) = 2, {"block": ((128, 128), 128), "channel": ((1, k), 88)}[layout]
+    gen = torch.Generator().manual_seed(len(act) + len(layout))
+    x = torch.randn(m, k, generator=gen).bfloat16().to(DEVICE)
+    w = torch.randn(2 * inter, k, generator=gen) * 0.05
+    wq, ws = (t.to(DEVICE) for t in quantize_weight(w, block))
+    bias = torch.randn(2 * inter, generator=gen).bfloat16().to(DEVICE)
+    torch_act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[act]
+    for cfg, b in [((32, 2, 4, 2, 1), None), ((16, 1, 4, 2, 1), bias), ((32, 1, 4, 2, 3), bias)]:
+        got = fp8_gemv(x, wq, ws, block, bias=b, config=cfg, act=act)
+        y = fp8_gemv(x, wq, ws, block, bias=b, config=cfg)
+        assert got.shape == (m, inter) and got.dtype == torch.bfloat16
+        assert torch.equal(got, act_and_mul(y, act == "gelu_tanh")), cfg
+        gate, up = y.float().chunk(2, -1)  # torch's activation of the same projection: within two bf16 roundings
+        torch.testing.assert_close(got.float(), (torch_act(gate).bfloat16().float() * up), rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("sms", [132, 78])
@@ -90,3 +118,22 @@ def test_gemv_at_qwen3_8b_shapes_eager_and_in_a_cuda_graph_gpu(m, n, k, layout):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, captured)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("inter, k", [(12288, 4096), (3072, 1024)])  # Qwen3-8B's and 0.6B's gate_up_proj
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_gated_gemv_at_qwen3_shapes_is_the_two_kernels_bits_eager_and_in_a_cuda_graph_gpu(inter, k, layout):
+    gen = torch.Generator().manual_seed(inter)
+    x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+    block = (128, 128) if layout == "block" else (1, k)
+    wq, ws = (t.cuda() for t in quantize_weight(torch.randn(2 * inter, k, generator=gen) * 0.02, block))
+    want = act_and_mul(fp8_gemv(x, wq, ws, block), False)
+    got = fp8_gemv(x, wq, ws, block, act="silu")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemv(x, wq, ws, block, act="silu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(captured, want)

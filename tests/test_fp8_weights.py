@@ -472,3 +472,31 @@ def test_an_fp8_checkpoint_on_cuda_runs_every_linear_layer_in_fp8_gpu(kv_cache_d
     else:  # graphs: every call captured (no hook runs); the eager case checks the same layers
         assert llm.engine.runner.graphs is not None
     assert max(errors.values(), default=0.0) < 0.05, sorted(errors.items(), key=lambda e: -e[1])[:3]
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@pytest.mark.parametrize("family", ["Qwen3ForCausalLM", "Gemma3ForCausalLM"])
+@pytest.mark.parametrize("layout", ["fp8-block-128", "ct-channel"])
+def test_an_fp8_mlp_at_one_token_fuses_its_activation_into_the_gemv_with_the_same_bits_gpu(family, layout, tmp_path):
+    # At one token on CUDA a kept gate_up_proj's GEMV applies the activation (SiLU; Gemma's tanh GELU) as it
+    # stores: each kept MLP's output is the bits of its three steps one by one, and a batch-1 request decodes.
+    from nanostream.layers.fp8_linear import gemv_runs
+    from nanostream.models.decoder_layer import MLP
+
+    src = make_tiny_model(tmp_path / "src", architecture=family, seed=6, hidden_size=256, intermediate_size=512,
+                          head_dim=128, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    block128 = dataclasses.replace(KEPT_LAYOUTS["fp8-block-aligned"], block=(128, 128),
+                                   config=LAYOUTS["fp8-block"].config | dict(weight_block_size=[128, 128]))  # fmt: skip
+    write_fp8(src, tmp_path / "fp8", tmp_path / "twin", block128 if layout == "fp8-block-128" else KEPT_LAYOUTS[layout])
+    llm = LLM(str(tmp_path / "fp8"), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
+    mlps = [m for m in llm.engine.runner.model.modules() if isinstance(m, MLP) and m.gate_up_proj.fp8_block]
+    assert mlps  # (ct-channel's ignore list leaves layer 1's MLP unquantized)
+    gen = torch.Generator("cuda").manual_seed(0)
+    with torch.inference_mode():
+        for mlp in mlps:
+            x = torch.randn(1, 256, device="cuda", generator=gen).bfloat16()
+            assert gemv_runs(x, mlp.gate_up_proj.fp8_block)
+            assert torch.equal(mlp(x), mlp.down_proj(mlp.act(mlp.gate_up_proj(x))))
+    (out,) = llm.generate(random_prompts([9], seed=1), greedy(16), use_tqdm=False)
+    assert len(out.token_ids) == 16

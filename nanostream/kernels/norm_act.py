@@ -90,26 +90,33 @@ def _act_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + SIZE + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    # As eager torch: act(gate) is rounded to the model dtype before the product.
+    tl.store(out_ptr + row * stride_o + offs, gated_act(gate, up, dtype, GELU_TANH), mask=mask)
+
+
+@triton.jit
+def gated_act(gate, up, dtype: tl.constexpr, GELU_TANH: tl.constexpr):
+    """act(gate) * up in ``dtype`` from float32 ``gate`` and ``up`` (values of ``dtype``), rounded as eager torch
+    rounds: act(gate) to ``dtype`` before the product (the FP8 GEMV's epilogue runs it too)."""
     if GELU_TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         act = (gate * tl.sigmoid(2.0 * z)).to(dtype).to(tl.float32)
     else:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(dtype), mask=mask)
+    return (act * up).to(dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``SiluAndMul.forward``: silu(gate) * up of x = [gate | up], [T, 2 I] with contiguous rows; [T, I]."""
-    return _act_and_mul(x, gelu_tanh=False)
+    return act_and_mul(x, gelu_tanh=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """GeGLU (tanh GELU) of x = [gate | up], [T, 2 I] with contiguous rows; [T, I]."""
-    return _act_and_mul(x, gelu_tanh=True)
+    return act_and_mul(x, gelu_tanh=True)
 
 
-def _act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+def act_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
+    """act(gate) * up of x = [gate | up], [T, 2 I] with contiguous rows: tanh GELU with ``gelu_tanh``, else SiLU."""
     assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, (x.shape, x.stride())
     size = x.shape[1] // 2
     out = torch.empty(x.shape[0], size, dtype=x.dtype, device=x.device)

@@ -75,14 +75,29 @@ def keep_fp8(layer: nn.Linear, block: tuple[int, int] | None) -> None:
     layer.fp8_block = block
 
 
+def gemv_runs(x: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether ``fp8_linear`` multiplies ``x`` [..., in] by the weight-streaming kernel (CUDA, one token, a
+    layout it reads): where it does, ``fp8_linear(..., act=)`` applies the MLP's activation in it."""
+    from nanostream.kernels.fp8_gemv import GEMV_ROWS, gemv_takes
+
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.is_cuda and m <= GEMV_ROWS and gemv_takes(m, block, x.shape[-1])
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    act: str | None = None,
 ) -> torch.Tensor:
-    """x [..., in] @ (weight × scale)ᵀ + bias, in x's dtype."""
+    """x [..., in] @ (weight × scale)ᵀ + bias, in x's dtype; with ``act`` ("silu", "gelu_tanh"; only where
+    ``gemv_runs``) the weight is a fused [gate | up] projection and the result act(gate) * up."""
     if not x.is_cuda:
         return F.linear(x, dequantize(weight, scale, block).to(x.dtype), bias)
     from nanostream.kernels.fp8_gemm import fp8_scaled_matmul, quantize_per_token_group
-    from nanostream.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_takes
+    from nanostream.kernels.fp8_gemv import fp8_gemv
 
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -90,8 +105,9 @@ def fp8_linear(
         x2 = x2.contiguous()
     per_row = block[1] >= k
     m = x2.shape[0]
-    if m <= GEMV_ROWS and gemv_takes(m, block, k):  # one token: the weight streamed against x as it is
-        y = fp8_gemv(x2, weight, scale, block, bias)
+    assert act is None or gemv_runs(x, block), f"{m} tokens: the activation is fused into the one-token GEMV only"
+    if gemv_runs(x, block):  # one token: the weight streamed against x as it is
+        y = fp8_gemv(x2, weight, scale, block, bias, act=act)
     elif per_row and block[0] == 1 and m > TRITON_MAX_ROWS["row"] and _scaled_mm_takes(weight.shape, x.dtype):
         xq, xs = quantize_per_token_group(x2, k)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.t(), bias=bias, out_dtype=x.dtype)

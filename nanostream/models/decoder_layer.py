@@ -16,6 +16,7 @@ from torch import nn
 from nanostream.distributed.group import TensorParallel
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
+from nanostream.layers.fp8_linear import fp8_linear, gemv_runs
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
@@ -72,10 +73,16 @@ class MLP(nn.Module):
         parts = {"gate": (rows, total), "up": (rows, total)}
         self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
         self.act = SiluAndMul(kernels.gated(spec.activation))
+        self.activation = spec.activation
         self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.fp8_block is not None and gemv_runs(x, gate_up.fp8_block):  # one launch: the GEMV's epilogue
+            h = fp8_linear(x, gate_up.weight, gate_up.weight_scale, gate_up.fp8_block, gate_up.bias, self.activation)
+        else:
+            h = self.act(gate_up(x))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
