@@ -12,7 +12,9 @@ the result is the same bits from call to call and a CUDA graph captures it.
 
 An MLP's fused [gate | up] projection can end in its activation (``act``): a program's rows are pairs, gate
 row j and up row I + j, and it stores act(gate) * up, rounded as the projection's output and norm_act's
-kernel round (the same bits as the two kernels, one launch and the [1, 2 I] round trip fewer).
+kernel round (one launch and the [1, 2 I] round trip fewer). The same bits as the two kernels under Triton's
+interpreter; compiled, the pairs' tile may multiply-add a row's group sums in another order (on an H100, a few
+outputs of Qwen3-8B's gate_up_proj in its 64-row tiles differ in their last bit).
 
 ``gemv_config`` picks the tile and the split; apps/fp8_gemm_sweep.py --gemv times the alternatives.
 """
