@@ -31,11 +31,12 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 
 class SiluAndMul(nn.Module):
     """A gated activation; ``kernel`` (fixed at construction): ``silu_and_mul``, ``gelu_tanh_and_mul``, a
-    torch.compile'd form of either, or ``nanostream.kernels.norm_act``'s."""
+    torch.compile'd form of either, or ``nanostream.kernels.norm_act``'s; ``activation`` names it ("silu",
+    "gelu_tanh"), for a GEMV that applies it itself (layers/linear.py ``MergedColumnLinear.activated``)."""
 
-    def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+    def __init__(self, kernel: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, activation: str = "silu") -> None:
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.activation = kernel, activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x)

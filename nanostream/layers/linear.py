@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import TensorParallel
-from nanostream.layers.fp8_linear import fp8_linear
+from nanostream.layers.activation import SiluAndMul
+from nanostream.layers.fp8_linear import fp8_linear, gemv_runs
 
 TensorSlice = Any
 """A safetensors slice (``get_slice``) or a tensor: ``x[a:b]``, ``x[:, a:b]`` and ``x[:]`` read that part."""
@@ -108,6 +109,13 @@ class MergedColumnLinear(Linear):
         for name, (rows, _) in parts.items():
             self.shard_offsets[name] = offset
             offset += len(rows)
+
+    def activated(self, x: torch.Tensor, act: SiluAndMul) -> torch.Tensor:
+        """``act(self(x))``: one kernel where an FP8 weight's one-token GEMV runs (the activation its epilogue,
+        nanostream/kernels/fp8_gemv.py), else this layer's and the activation's."""
+        if self.fp8_block is not None and gemv_runs(x, self.fp8_block):
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, self.bias, act.activation)
+        return act(self(x))
 
     def can_keep_fp8(self, block: tuple[int, int]) -> bool:
         bo = block[0]

@@ -85,7 +85,7 @@ class SharedExpert(nn.Module):
         self.down_proj = PartialSumLinear(rows, hidden_size, gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.activated(x, self.act))
 
 
 class SparseMoE(nn.Module):

@@ -16,7 +16,6 @@ from torch import nn
 from nanostream.distributed.group import TensorParallel
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
-from nanostream.layers.fp8_linear import fp8_linear, gemv_runs
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
@@ -72,17 +71,11 @@ class MLP(nn.Module):
         rows, total = shard.intermediate, spec.intermediate_size
         parts = {"gate": (rows, total), "up": (rows, total)}
         self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
-        self.act = SiluAndMul(kernels.gated(spec.activation))
-        self.activation = spec.activation
+        self.act = SiluAndMul(kernels.gated(spec.activation), spec.activation)
         self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj
-        if gate_up.fp8_block is not None and gemv_runs(x, gate_up.fp8_block):  # one launch: the GEMV's epilogue
-            h = fp8_linear(x, gate_up.weight, gate_up.weight_scale, gate_up.fp8_block, gate_up.bias, self.activation)
-        else:
-            h = self.act(gate_up(x))
-        return self.down_proj(h)
+        return self.down_proj(self.gate_up_proj.activated(x, self.act))
 
 
 class DecoderLayer(nn.Module):
