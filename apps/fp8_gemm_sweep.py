@@ -24,6 +24,11 @@ layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
     python3 apps/fp8_gemm_sweep.py --split-k
     python3 apps/fp8_gemm_sweep.py --gemv
     python3 apps/fp8_gemm_sweep.py --mid --tokens 64 128 256
+    python3 apps/fp8_gemm_sweep.py --layers --rep 200
+
+``--layers``: a batch-1 step's layers at Qwen3-8B's shapes, 36 layers' weights in one CUDA graph (norm -> qkv ->
+the attention prologue and split decode attention over 400 tokens -> o -> norm -> gate_up + SiLU -> down), timed
+twice: the step without the embedding, the LM head and the sampler, for variants of the kernels to be set against.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
 from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config
+from nanostream.kernels.norm_act import rms_norm
 from nanostream.layers.fp8_linear import _block_scaled_mm, dequantize, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down
@@ -312,6 +318,54 @@ def gemv_sweep(tokens: tuple[int, ...], rep: int) -> None:
         print(f"a layer's four at M={m}: gemv default {default:.1f} us, quant+block {old:.1f} us", flush=True)
 
 
+def layer_chain(rep: int, layers: int = 36, context: int = 400) -> None:
+    """``--layers``: us a step for a batch-1 chain of Qwen3-8B's layers, attention on a ``context``-token pool
+    included, each kernel as the model launches it."""
+    from nanostream.kernels.decode_attention import paged_decode_attention
+    from nanostream.kernels.qkv_prologue import qkv_prologue
+
+    (qkv_n, k), (o_n, _), (gate_up_n, _), (down_n, down_k) = SHAPES
+    heads, kv_heads, d, page, eps = 32, 8, 128, 256, 1e-6
+
+    def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize(torch.randn(n, k, device="cuda") * 0.02, (128, 128))
+
+    pages = -(-(context + 1) // page)
+    stack = [
+        dict(qkv=weights(qkv_n, k), o=weights(o_n, k), gate_up=weights(gate_up_n, k), down=weights(down_n, down_k),
+             norms=[(1 + 0.1 * torch.randn(k, device="cuda")).to(BF16) for _ in range(2)],
+             kv=[torch.randn(pages, page, kv_heads, d, device="cuda", dtype=BF16) for _ in range(2)])
+        for _ in range(layers)
+    ]  # fmt: skip
+    qk_norm = (1 + 0.1 * torch.randn(d, device="cuda")).to(BF16)
+    angles = torch.arange(context + 1, device="cuda")[:, None] * 1e-4 ** (torch.arange(d // 2, device="cuda") / d)
+    cos, sin = angles.cos(), angles.sin()
+    positions = torch.tensor([context], device="cuda")
+    slot = positions.clone()
+    table = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
+    seq_lens = torch.tensor([context + 1], device="cuda", dtype=torch.int32)
+    x0, r0 = (torch.randn(1, k, device="cuda", dtype=BF16) for _ in range(2))
+    block = (128, 128)
+
+    def attention(qkv: torch.Tensor, w: dict) -> torch.Tensor:
+        q = qkv_prologue(qkv, positions, cos, sin, qk_norm, qk_norm, eps, *w["kv"], slot, heads, kv_heads)
+        return paged_decode_attention(q, *w["kv"], table, seq_lens, d**-0.5, 40960).view(1, heads * d)
+
+    def step() -> torch.Tensor:
+        x, res = x0, r0
+        for w in stack:
+            h, res = rms_norm(x, w["norms"][0], eps, res)
+            o = fp8_gemv(attention(fp8_gemv(h, *w["qkv"], block), w), *w["o"], block)
+            h, res = rms_norm(o, w["norms"][1], eps, res)
+            x = fp8_gemv(fp8_gemv(h, *w["gate_up"], block, act="silu"), *w["down"], block)
+        return x
+
+    step()
+    times = [us(step, rep=rep) for _ in range(2)]
+    print(f"{torch.cuda.get_device_name()}: {layers} layers at one token, {context} tokens of context: "
+          f"{' / '.join(f'{t:.1f}' for t in times)} us a step", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split-k", action="store_true", help="the few-token split-K sweep alone (about a minute)")
@@ -324,6 +378,7 @@ def main() -> None:
         default=None,
         help="token counts (--split-k: 1 4 16, --gemv: 1 4, --mid: 17 32 64 128 192 256)",
     )
+    parser.add_argument("--layers", action="store_true", help="a batch-1 step's 36 layers in one CUDA graph")
     parser.add_argument("--rep", type=int, default=10, help="--split-k's and --gemv's timing per config, ms of replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -333,6 +388,8 @@ def main() -> None:
         split_sweep(tuple(args.tokens or SPLIT_TOKENS), args.rep)
     elif args.mid:
         mid_sweep(tuple(args.tokens or MID_TOKENS), args.rep)
+    elif args.layers:
+        layer_chain(args.rep)
     elif args.gemv:
         gemv_sweep(tuple(args.tokens or (1, 4)), args.rep)
     else:
