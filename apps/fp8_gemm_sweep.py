@@ -25,10 +25,12 @@ layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
     python3 apps/fp8_gemm_sweep.py --gemv
     python3 apps/fp8_gemm_sweep.py --mid --tokens 64 128 256
     python3 apps/fp8_gemm_sweep.py --layers --rep 200
+    python3 apps/fp8_gemm_sweep.py --layers --bf16 --rep 200
 
 ``--layers``: a batch-1 step's layers at Qwen3-8B's shapes, 36 layers' weights in one CUDA graph (norm -> qkv ->
 the attention prologue and split decode attention over 400 tokens -> o -> norm -> gate_up + SiLU -> down), timed
 twice: the step without the embedding, the LM head and the sampler, for variants of the kernels to be set against.
+``--layers --bf16``: the same chain with bf16 weights through F.linear, as the bf16 model runs its projections.
 """
 
 from __future__ import annotations
@@ -318,10 +320,10 @@ def gemv_sweep(tokens: tuple[int, ...], rep: int) -> None:
         print(f"a layer's four at M={m}: gemv default {default:.1f} us, quant+block {old:.1f} us", flush=True)
 
 
-def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp8", prefetch: bool = False) -> float:
+def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp8") -> float:
     """``--layers``: us a step for a batch-1 chain of Qwen3-8B's layers, attention on a ``context``-token pool
     included, each kernel as the model launches it; ``dtype`` "fp8" (block-scaled weights, the one-token GEMV) or
-    "bf16" (F.linear); ``prefetch``: the attention hints o_proj's weight into L2. Returns the faster of two timings."""
+    "bf16" (F.linear, as the bf16 model runs them). Returns the faster of two timings."""
     from nanostream.kernels.decode_attention import paged_decode_attention
     from nanostream.kernels.norm_act import silu_and_mul
     from nanostream.kernels.qkv_prologue import qkv_prologue
@@ -358,8 +360,7 @@ def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp
 
     def attention(qkv: torch.Tensor, w: dict) -> torch.Tensor:
         q = qkv_prologue(qkv, positions, cos, sin, qk_norm, qk_norm, eps, *w["kv"], slot, heads, kv_heads)
-        hint = w["o"][0] if prefetch else None
-        return paged_decode_attention(q, *w["kv"], table, seq_lens, d**-0.5, 40960, prefetch=hint).view(1, heads * d)
+        return paged_decode_attention(q, *w["kv"], table, seq_lens, d**-0.5, 40960).view(1, heads * d)
 
     def step() -> torch.Tensor:
         x, res = x0, r0
@@ -372,9 +373,8 @@ def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp
 
     step()
     times = [us(step, rep=rep) for _ in range(2)]
-    hinted = ", o_proj prefetched" if prefetch else ""
-    print(f"{torch.cuda.get_device_name()}: {layers} layers of {dtype} at one token, {context} tokens of context"
-          f"{hinted}: {' / '.join(f'{t:.1f}' for t in times)} us a step", flush=True)  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}: {layers} layers of {dtype} at one token, {context} tokens of context: "
+          f"{' / '.join(f'{t:.1f}' for t in times)} us a step", flush=True)  # fmt: skip
     stack.clear()
     torch.cuda.empty_cache()
     return min(times)
@@ -394,7 +394,6 @@ def main() -> None:
     )
     parser.add_argument("--layers", action="store_true", help="a batch-1 step's 36 layers in one CUDA graph")
     parser.add_argument("--bf16", action="store_true", help="--layers: bf16 weights (F.linear) in place of FP8")
-    parser.add_argument("--prefetch", action="store_true", help="--layers: the attention hints o_proj into L2")
     parser.add_argument("--rep", type=int, default=10, help="--split-k's and --gemv's timing per config, ms of replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -405,7 +404,7 @@ def main() -> None:
     elif args.mid:
         mid_sweep(tuple(args.tokens or MID_TOKENS), args.rep)
     elif args.layers:
-        layer_chain(args.rep, dtype="bf16" if args.bf16 else "fp8", prefetch=args.prefetch)
+        layer_chain(args.rep, dtype="bf16" if args.bf16 else "fp8")
     elif args.gemv:
         gemv_sweep(tuple(args.tokens or (1, 4)), args.rep)
     else:
