@@ -51,7 +51,7 @@ sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
 from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config
-from nanostream.kernels.norm_act import rms_norm
+from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 from nanostream.layers.fp8_linear import _block_scaled_mm, dequantize, quantize
 
 SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K): qkv, o, gate/up, down
@@ -325,7 +325,6 @@ def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp
     included, each kernel as the model launches it; ``dtype`` "fp8" (block-scaled weights, the one-token GEMV) or
     "bf16" (F.linear, as the bf16 model runs them). Returns the faster of two timings."""
     from nanostream.kernels.decode_attention import paged_decode_attention
-    from nanostream.kernels.norm_act import silu_and_mul
     from nanostream.kernels.qkv_prologue import qkv_prologue
 
     (qkv_n, k), (o_n, _), (gate_up_n, _), (down_n, down_k) = SHAPES

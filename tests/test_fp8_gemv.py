@@ -124,7 +124,7 @@ def test_gemv_at_qwen3_8b_shapes_eager_and_in_a_cuda_graph_gpu(m, n, k, layout):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("inter, k", [(12288, 4096), (3072, 1024)])  # Qwen3-8B's and 0.6B's gate_up_proj
 @pytest.mark.parametrize("layout", ["block", "channel"])
-def test_gated_gemv_at_qwen3_shapes_is_the_two_kernels_to_the_last_bit_eager_and_in_a_cuda_graph_gpu(inter, k, layout):
+def test_gated_gemv_at_qwen3_shapes_is_the_two_kernels_within_a_rounding_eager_and_in_a_graph_gpu(inter, k, layout):
     gen = torch.Generator().manual_seed(inter)
     x = torch.randn(1, k, generator=gen).bfloat16().cuda()
     block = (128, 128) if layout == "block" else (1, k)

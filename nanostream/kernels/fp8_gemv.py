@@ -84,10 +84,10 @@ def _gemv_kernel(
                 s_up = tl.load(s_up_row + groups, mask=groups * G < K, other=0.0)[None, :]
                 s = tl.where((tile % 2 == 0)[:, None], s, s_up)
         for r in tl.static_range(ROWS):
-            x_mask = k_mask & (tl.full([C, G], r, tl.int32) < M)  # a tensor: the interpreter takes no scalar mask
             if EVEN and r == 0:  # row 0 always there
                 x = tl.load(x_ptr + k0 + ks).to(tl.float32)
-            else:
+            else:  # (the mask a tensor: the interpreter takes no scalar mask)
+                x_mask = k_mask & (tl.full([C, G], r, tl.int32) < M)
                 x = tl.load(x_ptr + r * stride_xm + k0 + ks, mask=x_mask, other=0.0).to(tl.float32)
             part = tl.sum(w * x[None, :, :], 2)  # [BLOCK_N, C]: each group's dot
             if ONE_GROUP:  # noqa: SIM108 (a constexpr branch)
