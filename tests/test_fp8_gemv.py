@@ -3,7 +3,7 @@ scales, against float64 matmuls of x and the dequantized weight, in the layouts 
 128-column groups, per-channel, per-tensor), 1 to 4 rows, shapes no tile divides, K split (empty splits too),
 a bias, and the same bits from call to call; with the MLP's activation in its epilogue, the bits of the GEMV
 and then norm_act's kernel. On the CPU under Triton's interpreter; gpu-marked cases compiled at Qwen3-8B's
-shapes, eager and in a CUDA graph, and through the layer (fp8_linear) against torch."""
+shapes, eager and in a CUDA graph (a split K too), and through the layer (fp8_linear) against torch."""
 
 import pytest
 import torch
@@ -98,6 +98,23 @@ def test_gemv_config_splits_k_only_for_narrow_layers(sms):
     assert gemv_config(256, 1024, sms).split_k == 1  # 2 steps: too few to split
 
 
+@pytest.mark.parametrize("sms", [132, 78, 114])
+def test_gemv_config_takes_smaller_tiles_where_they_fill_the_last_wave(sms):
+    def filled(programs):
+        return programs / (-(-programs // sms) * sms)
+
+    for n, k in [(6144, 4096), (4096, 4096), (4096, 12288), (2048, 2048), (5120, 5120)]:
+        cfg = gemv_config(n, k, sms)
+        if cfg.split_k > 1:
+            continue
+        assert cfg.block_n in (16, 32), (n, sms, cfg)
+        other = {16: 32, 32: 16}[cfg.block_n]
+        # the tile taken fills the SMs' waves at least as well, less a tenth, as the other
+        assert filled(-(-n // cfg.block_n)) + 0.1 > filled(-(-n // other)), (n, sms, cfg)
+    assert gemv_config(6144, 4096, 132).block_n == 16  # Qwen3-8B's qkv_proj on an H100 or H200
+    assert gemv_config(4096, 4096, 132).block_n == 32  # its o_proj: 128 tiles, one wave nearly whole
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 4])
@@ -142,3 +159,29 @@ def test_gated_gemv_at_qwen3_shapes_is_the_two_kernels_within_a_rounding_eager_a
     differ = got != want
     assert differ.float().mean().item() < 0.01, differ.float().mean().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_split_gemv_gives_the_same_bits_every_launch_and_graph_replay_gpu(splits, act):
+    # Compiled at Qwen3-8B's down_proj (and a gate_up of 4,096 pairs) in 64-row tiles, K split: within a rounding
+    # of one split, and the same bits in 20 eager launches and 50 replays of a CUDA graph.
+    n, k = (8192, 4096) if act else (4096, 12288)
+    gen = torch.Generator().manual_seed(splits)
+    x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+    wq, ws = (t.cuda() for t in quantize_weight(torch.randn(n, k, generator=gen) * 0.02, (128, 128)))
+    cfg = GemvConfig(64, 2, 4, 3, splits)
+    one = fp8_gemv(x, wq, ws, (128, 128), config=cfg._replace(split_k=1), act=act).float()
+    first = fp8_gemv(x, wq, ws, (128, 128), config=cfg, act=act)
+    assert ((first.float() - one).norm() / one.norm()).item() < 4e-3  # another order of float32 sums
+    for _ in range(20):
+        assert torch.equal(fp8_gemv(x, wq, ws, (128, 128), config=cfg, act=act), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_gemv(x, wq, ws, (128, 128), config=cfg, act=act)
+    for _ in range(50):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, first)
