@@ -98,21 +98,19 @@ def test_gemv_config_splits_k_only_for_narrow_layers(sms):
     assert gemv_config(256, 1024, sms).split_k == 1  # 2 steps: too few to split
 
 
-@pytest.mark.parametrize("sms", [132, 78, 114])
-def test_gemv_config_takes_smaller_tiles_where_they_fill_the_last_wave(sms):
-    def filled(programs):
-        return programs / (-(-programs // sms) * sms)
-
-    for n, k in [(6144, 4096), (4096, 4096), (4096, 12288), (2048, 2048), (5120, 5120)]:
-        cfg = gemv_config(n, k, sms)
-        if cfg.split_k > 1:
-            continue
-        assert cfg.block_n in (16, 32), (n, sms, cfg)
-        other = {16: 32, 32: 16}[cfg.block_n]
-        # the tile taken fills the SMs' waves at least as well, less a tenth, as the other
-        assert filled(-(-n // cfg.block_n)) + 0.1 > filled(-(-n // other)), (n, sms, cfg)
-    assert gemv_config(6144, 4096, 132).block_n == 16  # Qwen3-8B's qkv_proj on an H100 or H200
-    assert gemv_config(4096, 4096, 132).block_n == 32  # its o_proj: 128 tiles, one wave nearly whole
+@pytest.mark.parametrize(
+    "n, sms, block_n",
+    [
+        (6144, 132, 16),  # Qwen3-8B's qkv_proj, H100/H200: 192 tiles of 32 (1.45 waves), 384 of 16 (2.91)
+        (4096, 132, 32),  # its o_proj and down_proj: 128 tiles of 32, one wave nearly whole (16 rows: the same share)
+        (6144, 78, 16),  # 192 tiles of 32 on 78 SMs: 2.46 waves; 384 of 16: 4.92
+        (4096, 78, 32),  # 128 tiles: 1.64 waves either way
+        (2048, 132, 16),  # 64 tiles, K too short to split: 128 programs of 16 rows
+    ],
+)
+def test_gemv_config_takes_16_row_tiles_where_they_fill_the_last_wave(n, sms, block_n):
+    cfg = gemv_config(n, 2048, sms)
+    assert (cfg.block_n, cfg.split_k) == (block_n, 1), cfg
 
 
 @pytest.mark.gpu
