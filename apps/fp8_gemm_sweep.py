@@ -30,6 +30,7 @@ layer ran before it), bf16 and the floor; weights rotated as in ``--split-k``.
 ``--layers``: a batch-1 step's layers at Qwen3-8B's shapes, 36 layers' weights in one CUDA graph (norm -> qkv ->
 the attention prologue and split decode attention over 400 tokens -> o -> norm -> gate_up + SiLU -> down), timed
 twice: the step without the embedding, the LM head and the sampler, for variants of the kernels to be set against.
+o_proj and down_proj end in the norms after them as the model runs them at one token (``--unfused-norms``: not).
 ``--layers --bf16``: the same chain with bf16 weights through F.linear, as the bf16 model runs its projections.
 """
 
@@ -50,7 +51,7 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
-from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config
+from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_add_norm, gemv_config
 from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 from nanostream.layers.fp8_linear import _block_scaled_mm, dequantize, quantize
 
@@ -320,10 +321,11 @@ def gemv_sweep(tokens: tuple[int, ...], rep: int) -> None:
         print(f"a layer's four at M={m}: gemv default {default:.1f} us, quant+block {old:.1f} us", flush=True)
 
 
-def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp8") -> float:
+def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp8", fuse_norms: bool = True) -> float:
     """``--layers``: us a step for a batch-1 chain of Qwen3-8B's layers, attention on a ``context``-token pool
-    included, each kernel as the model launches it; ``dtype`` "fp8" (block-scaled weights, the one-token GEMV) or
-    "bf16" (F.linear, as the bf16 model runs them). Returns the faster of two timings."""
+    included, each kernel as the model launches it; ``dtype`` "fp8" (block-scaled weights, the one-token GEMV; o_proj
+    and down_proj ending in the norm after them unless not ``fuse_norms``) or "bf16" (F.linear, as the bf16 model
+    runs them). Returns the faster of two timings."""
     from nanostream.kernels.decode_attention import paged_decode_attention
     from nanostream.kernels.qkv_prologue import qkv_prologue
 
@@ -361,19 +363,26 @@ def layer_chain(rep: int, layers: int = 36, context: int = 400, dtype: str = "fp
         q = qkv_prologue(qkv, positions, cos, sin, qk_norm, qk_norm, eps, *w["kv"], slot, heads, kv_heads)
         return paged_decode_attention(q, *w["kv"], table, seq_lens, d**-0.5, 40960).view(1, heads * d)
 
+    def into_norm(x: torch.Tensor, w: tuple[torch.Tensor, ...], res: torch.Tensor, norm: torch.Tensor):
+        # the projection, the residual add and the norm after it: as the model's decoder layer runs them
+        if dtype == "fp8" and fuse_norms:
+            return fp8_gemv_add_norm(x, *w, block, None, res, norm, eps)
+        return rms_norm(linear(x, w), norm, eps, res)
+
     def step() -> torch.Tensor:
-        x, res = x0, r0
-        for w in stack:
-            h, res = rms_norm(x, w["norms"][0], eps, res)
-            o = linear(attention(linear(h, w["qkv"]), w), w["o"])
-            h, res = rms_norm(o, w["norms"][1], eps, res)
-            x = linear(linear(h, w["gate_up"], act="silu"), w["down"])
-        return x
+        h, res = rms_norm(x0, stack[0]["norms"][0], eps, r0)
+        for i, w in enumerate(stack):
+            h, res = into_norm(attention(linear(h, w["qkv"]), w), w["o"], res, w["norms"][1])
+            a = linear(h, w["gate_up"], act="silu")
+            if i + 1 == len(stack):
+                return linear(a, w["down"])
+            h, res = into_norm(a, w["down"], res, stack[i + 1]["norms"][0])
 
     step()
     times = [us(step, rep=rep) for _ in range(2)]
-    print(f"{torch.cuda.get_device_name()}: {layers} layers of {dtype} at one token, {context} tokens of context: "
-          f"{' / '.join(f'{t:.1f}' for t in times)} us a step", flush=True)  # fmt: skip
+    fused = " (norms fused)" if dtype == "fp8" and fuse_norms else ""
+    print(f"{torch.cuda.get_device_name()}: {layers} layers of {dtype}{fused} at one token, {context} tokens of "
+          f"context: {' / '.join(f'{t:.1f}' for t in times)} us a step", flush=True)  # fmt: skip
     stack.clear()
     torch.cuda.empty_cache()
     return min(times)
@@ -393,6 +402,7 @@ def main() -> None:
     )
     parser.add_argument("--layers", action="store_true", help="a batch-1 step's 36 layers in one CUDA graph")
     parser.add_argument("--bf16", action="store_true", help="--layers: bf16 weights (F.linear) in place of FP8")
+    parser.add_argument("--unfused-norms", action="store_true", help="--layers: the norms as kernels of their own")
     parser.add_argument("--rep", type=int, default=10, help="--split-k's and --gemv's timing per config, ms of replays")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -403,7 +413,7 @@ def main() -> None:
     elif args.mid:
         mid_sweep(tuple(args.tokens or MID_TOKENS), args.rep)
     elif args.layers:
-        layer_chain(args.rep, dtype="bf16" if args.bf16 else "fp8")
+        layer_chain(args.rep, dtype="bf16" if args.bf16 else "fp8", fuse_norms=not args.unfused_norms)
     elif args.gemv:
         gemv_sweep(tuple(args.tokens or (1, 4)), args.rep)
     else:

@@ -183,3 +183,112 @@ def test_split_gemv_gives_the_same_bits_every_launch_and_graph_replay_gpu(splits
         captured.zero_()
         graph.replay()
         assert torch.equal(captured, first)
+
+
+def _norm_chain_error(out: torch.Tensor, h: torch.Tensor, g: torch.Tensor, offset, w_deq, act: bool = False) -> float:
+    # The relative error of ``out`` against float64 arithmetic on the same h (the residual sum) and weights
+    x = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-6) * (g.double() + (offset or 0.0))
+    y = x @ w_deq.T
+    if act:
+        gate, up = y.chunk(2, -1)
+        y = F.silu(gate) * up
+    return ((out.cpu().double() - y).norm() / y.norm()).item()
+
+
+@pytest.mark.parametrize("offset", [None, 1.0])  # Llama's norm, Gemma's (1 + weight)
+@pytest.mark.parametrize("layout", ["block", "channel"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_add_norm_leaves_the_norm_to_the_next_gemv_within_a_rounding(offset, layout, m):
+    # A projection of H = 200 outputs (tiles of 32: a partial seventh; of 16 with a bias) ends in the residual
+    # add and RMSNorm, its 1 / rms left to the next GEMV (a projection of 96, the gated one of 2 x 128, a split
+    # K): the residual is the norm kernel's bits, and the next GEMV's result as near float64 arithmetic on that
+    # residual as the norm kernel and the GEMV one after the other, or nearer (a rounding fewer).
+    from nanostream.kernels.fp8_gemv import fp8_gemv_add_norm
+    from nanostream.kernels.norm_act import rms_norm
+
+    h, k = 200, 600
+    gen = torch.Generator().manual_seed(m + len(layout))
+    block_of = {"block": lambda k_: (128, 128), "channel": lambda k_: (1, k_)}[layout]
+    x = torch.randn(m, k, generator=gen).bfloat16().to(DEVICE)
+    residual = (3 * torch.randn(m, h, generator=gen)).bfloat16().to(DEVICE)
+    g = (1 + 0.3 * torch.randn(h, generator=gen)).bfloat16().to(DEVICE)
+    bias = torch.randn(h, generator=gen).bfloat16().to(DEVICE)
+    wq, ws = (t.to(DEVICE) for t in quantize_weight(torch.randn(h, k, generator=gen) * 0.05, block_of(k)))
+    nexts = []
+    for n in (96, 256):
+        q, s = quantize_weight(torch.randn(n, h, generator=gen) * 0.05, block_of(h))
+        nexts.append((q.to(DEVICE), s.to(DEVICE), dequantized(q, s, block_of(h))))
+    for cfg, b in [((32, 2, 4, 2, 1), None), ((16, 1, 4, 2, 1), bias)]:
+        pending, res = fp8_gemv_add_norm(x, wq, ws, block_of(k), b, residual, g, 1e-6, offset, config=cfg)
+        normed, res_ref = rms_norm(fp8_gemv(x, wq, ws, block_of(k), bias=b, config=cfg), g, 1e-6, residual, offset)
+        assert res.dtype == torch.bfloat16 and torch.equal(res, res_ref), cfg
+        assert pending.sumsq.shape == (m, -(-h // cfg[0]))
+        cases = [(nexts[0], None, None), (nexts[1], "silu", None), (nexts[0], None, (32, 1, 4, 2, 2))]
+        for (q, s, deq), act, nxt in cases:
+            got = fp8_gemv(pending, q, s, block_of(h), config=nxt, act=act)
+            want = fp8_gemv(normed, q, s, block_of(h), config=nxt, act=act)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            assert torch.equal(got, fp8_gemv(pending, q, s, block_of(h), config=nxt, act=act))
+            err, err_ref = (_norm_chain_error(o, res_ref, g, offset, deq, act is not None) for o in (got, want))
+            # (bf16 roundings: the output's, ~2e-3; with the activation also the gate's and the up's)
+            assert err < (3e-2 if act else 1e-2) and err <= err_ref * 1.1, (cfg, act, nxt, err, err_ref)
+
+
+def test_gemv_add_norm_in_a_float16_model_keeps_a_product_past_float16s_range():
+    # A float16 model whose residual and norm weight are large (h x weight ~ 4e5, past float16's 65,504, while
+    # h / rms x weight is ~500): the pending product is kept in float32, and the next GEMV's result is finite and
+    # as near float64 arithmetic as the norm kernel then the GEMV.
+    from nanostream.kernels.fp8_gemv import fp8_gemv_add_norm
+    from nanostream.kernels.norm_act import rms_norm
+
+    h, k = 128, 256
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen).half().to(DEVICE)
+    residual = (800 + 50 * torch.randn(1, h, generator=gen)).half().to(DEVICE)
+    g = (500 + 20 * torch.randn(h, generator=gen)).half().to(DEVICE)
+    wq, ws = (t.to(DEVICE) for t in quantize_weight(torch.randn(h, k, generator=gen) * 0.05, (128, 128)))
+    q, s = quantize_weight(torch.randn(64, h, generator=gen) * 0.05, (128, 128))
+    deq = dequantized(q, s, (128, 128))
+    pending, res = fp8_gemv_add_norm(x, wq, ws, (128, 128), None, residual, g, 1e-6)
+    assert pending.x.dtype == torch.float32 and pending.x.abs().max().item() > 65504
+    got = fp8_gemv(pending, q.to(DEVICE), s.to(DEVICE), (128, 128))
+    normed, res_ref = rms_norm(fp8_gemv(x, wq, ws, (128, 128)), g, 1e-6, residual)
+    want = fp8_gemv(normed, q.to(DEVICE), s.to(DEVICE), (128, 128))
+    assert got.dtype == torch.float16 and torch.isfinite(got).all() and torch.equal(res, res_ref)
+    err, err_ref = (_norm_chain_error(o, res_ref.float(), g.float(), None, deq) for o in (got, want))
+    assert err < 1e-2 and err <= err_ref * 1.1, (err, err_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("producer, consumer", [((4096, 4096), 24576), ((4096, 12288), 6144)])
+def test_gemv_add_norm_at_qwen3_8b_shapes_eager_and_in_a_cuda_graph_gpu(producer, consumer):
+    # o_proj into mlp_in's norm into gate_up_proj (its SiLU too), down_proj into the next input_layernorm into
+    # qkv_proj, compiled at the tiles gemv_config picks: the residual is the norm kernel's bits, the next GEMV
+    # within a rounding of the norm kernel and the GEMV one after the other, the same bits in a graph's replays.
+    from nanostream.kernels.fp8_gemv import fp8_gemv_add_norm
+    from nanostream.kernels.norm_act import rms_norm
+
+    (h, k), act = producer, "silu" if consumer == 24576 else None
+    gen = torch.Generator().manual_seed(h + k)
+    x, residual = torch.randn(1, k, generator=gen).bfloat16().cuda(), torch.randn(1, h, generator=gen).bfloat16().cuda()
+    g = (1 + 0.3 * torch.randn(h, generator=gen)).bfloat16().cuda()
+    wq, ws = (t.cuda() for t in quantize_weight(torch.randn(h, k, generator=gen) * 0.02, (128, 128)))
+    q, s = (t.cuda() for t in quantize_weight(torch.randn(consumer, h, generator=gen) * 0.02, (128, 128)))
+
+    def fused():
+        pending, res = fp8_gemv_add_norm(x, wq, ws, (128, 128), None, residual, g, 1e-6)
+        return fp8_gemv(pending, q, s, (128, 128), act=act), res
+
+    got, res = fused()
+    normed, res_ref = rms_norm(fp8_gemv(x, wq, ws, (128, 128)), g, 1e-6, residual)
+    want = fp8_gemv(normed, q, s, (128, 128), act=act)
+    assert torch.equal(res, res_ref)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, captured_res = fused()
+    for _ in range(20):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, got) and torch.equal(captured_res, res)

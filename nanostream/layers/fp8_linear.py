@@ -18,10 +18,16 @@ are: what a dequantized checkpoint computes.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanostream.layers.norm import RMSNorm
+
+if TYPE_CHECKING:  # (the kernels import Triton: the layers import them where they run)
+    from nanostream.kernels.fp8_gemv import PendingNorm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -75,17 +81,52 @@ def keep_fp8(layer: nn.Linear, block: tuple[int, int] | None) -> None:
     layer.fp8_block = block
 
 
-def gemv_runs(x: torch.Tensor, block: tuple[int, int]) -> bool:
+def gemv_runs(x: torch.Tensor | PendingNorm, block: tuple[int, int]) -> bool:
     """Whether ``fp8_linear`` multiplies ``x`` [..., in] by the weight-streaming kernel (CUDA, one token, a
-    layout it reads): where it does, ``fp8_linear(..., act=)`` applies the MLP's activation in it."""
+    layout it reads): where it does, ``fp8_linear(..., act=)`` applies the MLP's activation in it. A
+    ``PendingNorm`` only that kernel takes."""
     from nanostream.kernels.fp8_gemv import GEMV_ROWS, gemv_takes
 
+    if not isinstance(x, torch.Tensor):  # a PendingNorm
+        return True
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return x.is_cuda and m <= GEMV_ROWS and gemv_takes(m, block, x.shape[-1])
 
 
-def fp8_linear(
+def norm_fuses(x: torch.Tensor, residual: torch.Tensor, block: tuple[int, int], n: int, then: tuple[int, int]) -> bool:
+    """Whether a kept layer of ``n`` outputs in ``block``s can end its one-token GEMV of ``x`` in the residual add
+    and RMSNorm after it (``fp8_linear_add_norm``), the next kept projection's (in ``then``'s blocks) taking the
+    norm's 1 / rms: both GEMVs run (``gemv_runs``) and this one's K is not split."""
+    from nanostream.kernels import fp8_gemv
+
+    return (
+        gemv_runs(x, block)
+        and x.dim() == 2
+        and residual.shape == (x.shape[0], n)
+        and residual.dtype == x.dtype
+        and gemv_runs(residual, then)
+        and fp8_gemv.norm_fuses(n, x.shape[1], x.device)
+    )
+
+
+def fp8_linear_add_norm(
     x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm: RMSNorm,
+) -> tuple[PendingNorm, torch.Tensor]:
+    """``norm(fp8_linear(x, ...) + residual)`` but for the norm's 1 / rms, which the next GEMV applies (a
+    ``PendingNorm`` it takes as its x), and the new residual: one kernel (only where ``norm_fuses``)."""
+    from nanostream.kernels.fp8_gemv import fp8_gemv_add_norm
+
+    return fp8_gemv_add_norm(x, weight, scale, block, bias, residual, norm.weight, norm.eps, norm.weight_offset)
+
+
+def fp8_linear(
+    x: torch.Tensor | PendingNorm,
     weight: torch.Tensor,
     scale: torch.Tensor,
     block: tuple[int, int],
@@ -93,7 +134,12 @@ def fp8_linear(
     act: str | None = None,
 ) -> torch.Tensor:
     """x [..., in] @ (weight × scale)ᵀ + bias, in x's dtype; with ``act`` ("silu", "gelu_tanh"; only where
-    ``gemv_runs``) the weight is a fused [gate | up] projection and the result act(gate) * up."""
+    ``gemv_runs``) the weight is a fused [gate | up] projection and the result act(gate) * up. x may be a
+    ``PendingNorm`` (``fp8_linear_add_norm``'s), its norm finished here."""
+    if not isinstance(x, torch.Tensor):  # a PendingNorm
+        from nanostream.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x, weight, scale, block, bias, act=act)
     if not x.is_cuda:
         return F.linear(x, dequantize(weight, scale, block).to(x.dtype), bias)
     from nanostream.kernels.fp8_gemm import fp8_scaled_matmul, quantize_per_token_group

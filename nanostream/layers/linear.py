@@ -17,7 +17,7 @@ scales together, a block's scale with the block.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,11 @@ from torch import nn
 
 from nanostream.distributed.group import TensorParallel
 from nanostream.layers.activation import SiluAndMul
-from nanostream.layers.fp8_linear import fp8_linear, gemv_runs
+from nanostream.layers.fp8_linear import fp8_linear, fp8_linear_add_norm, gemv_runs, norm_fuses
+from nanostream.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from nanostream.kernels.fp8_gemv import PendingNorm
 
 TensorSlice = Any
 """A safetensors slice (``get_slice``) or a tensor: ``x[a:b]``, ``x[:, a:b]`` and ``x[:]`` read that part."""
@@ -52,10 +56,25 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | PendingNorm, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8_block is None:
             return self.gemm(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, bias)
+
+    def into_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, then: Linear
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """``(self(x), residual)``; or, where this layer's one-token FP8 GEMV can end in the residual add and
+        ``norm`` that follow it and ``then`` (the projection after ``norm``) runs one too (``norm_fuses``), the
+        norm done here but for its 1 / rms, which ``then``'s GEMV applies: (a ``PendingNorm``, x + residual).
+        A decoder layer's o_proj and down_proj: a batch-1 step's kernels between projections take ~2 us."""
+        if (
+            self.fp8_block is not None
+            and then.fp8_block is not None
+            and norm_fuses(x, residual, self.fp8_block, self.out_features, then.fp8_block)
+        ):
+            return fp8_linear_add_norm(x, self.weight, self.weight_scale, self.fp8_block, self.bias, residual, norm)
+        return self(x), residual
 
     def can_keep_fp8(self, block: tuple[int, int]) -> bool:
         """Whether this layer's rows and columns of the checkpoint start and end on ``block``'s edges."""
@@ -168,6 +187,9 @@ class RowParallelLinear(Linear):
         # x: [T, in / size] -> [T, out]
         y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y.add_(self.bias)
+
+    def into_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, then: Linear):
+        return self(x), residual  # the residual adds the ranks' sum
 
     def can_keep_fp8(self, block: tuple[int, int]) -> bool:
         bi = block[1]

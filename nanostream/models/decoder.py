@@ -52,6 +52,8 @@ class DecoderModel(nn.Module):
             DecoderLayer(spec, i, self._layer_rotary(spec, i), kernels, shard, tp) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, spec.norm_weight_offset)
+        for layer, after in zip(self.layers, self.layers[1:]):
+            layer.feeds(after)
 
     def _layer_rotary(self, spec: DecoderSpec, i: int) -> RotaryEmbedding | None:
         if spec.rope_layers and not spec.rope_layers[i]:

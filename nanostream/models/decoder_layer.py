@@ -10,6 +10,8 @@ shard (models/sharding.py): q/k/v and gate/up column-parallel, o_proj and down_p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -23,6 +25,9 @@ from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RotaryEmbedding
 from nanostream.models.sharding import DecoderShard
 from nanostream.models.spec import DecoderSpec
+
+if TYPE_CHECKING:
+    from nanostream.kernels.fp8_gemv import PendingNorm
 
 
 def _head_rows(heads: range, head_dim: int) -> range:
@@ -106,6 +111,20 @@ class DecoderLayer(nn.Module):
                 self.add_module(name, norm)
             object.__setattr__(self, f"_{place}", norm)  # not a second registration of the module
         self.residual_multiplier = spec.residual_multiplier
+        # Llama's plan (the norms before each block only, a dense MLP): o_proj may end in mlp_in's norm and
+        # down_proj in the next layer's attn_in (Linear.into_norm), a batch-1 step's FP8 GEMVs do
+        self._plain = (
+            self.residual_multiplier is None
+            and self._attn_out is None
+            and self._mlp_out is None
+            and self._mlp_in is not None
+            and isinstance(self.mlp, MLP)
+        )
+        self._next: tuple[RMSNorm, MergedColumnLinear] | None = None
+
+    def feeds(self, layer: DecoderLayer) -> None:
+        """``layer`` comes next: this one's down_proj may end in its attn_in norm (``Linear.into_norm``)."""
+        self._next = (layer._attn_in, layer.self_attn.qkv_proj) if layer._attn_in is not None else None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -114,9 +133,12 @@ class DecoderLayer(nn.Module):
         return self.attn_out(self.self_attn.attn(positions, qkv, ctx), residual)
 
     def attn_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its qkv projection, itself)."""
+        """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its qkv projection, itself).
+        ``x`` may be a ``PendingNorm`` (the layer before's down_proj did the add and this norm, ``attn_out``)."""
         norm = self._attn_in
-        if norm is None:  # OLMo 2: no norm before attention
+        if not isinstance(x, torch.Tensor):
+            h = x
+        elif norm is None:  # OLMo 2: no norm before attention
             h = x if residual is None else x + residual
             residual = h
         elif residual is None:
@@ -125,8 +147,17 @@ class DecoderLayer(nn.Module):
             h, residual = norm(x, residual)
         return self.self_attn.qkv_proj(h), residual
 
-    def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output [T, heads x head_dim] -> the layer output as (x, residual) (their sum)."""
+    def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """The attention output [T, heads x head_dim] -> the layer output as (x, residual) (their sum); or, where
+        down_proj ended in the next layer's attn_in norm, (a ``PendingNorm``, the sum)."""
+        if self._plain:
+            x, residual = self.self_attn.o_proj.into_norm(attn, residual, self._mlp_in, self.mlp.gate_up_proj)
+            if isinstance(x, torch.Tensor):
+                x, residual = self._mlp_in(x, residual)
+            x = self.mlp.gate_up_proj.activated(x, self.mlp.act)
+            if self._next is None:
+                return self.mlp.down_proj(x), residual
+            return self.mlp.down_proj.into_norm(x, residual, *self._next)
         h = self.self_attn.o_proj(attn)
         if self.residual_multiplier is not None:
             h = h * self.residual_multiplier
