@@ -32,27 +32,38 @@ def beat_key(rank: int) -> str:
 
 class Heartbeat:
     """A worker's beat. ``on_lost()`` runs (on the beat's thread) when the store cannot be reached or the
-    process that started this one has gone: the worker must then exit, its engine is dead."""
+    process that started this one has gone: the worker must then exit, its engine is dead.
+
+    A worker told to stop calls ``stop()`` before it returns: rank 0 closes the store as it ends, and a beat
+    still inside the store's client when the interpreter finalizes would abort the process."""
 
     def __init__(self, store: dist.Store, rank: int, on_lost: Callable[[str], None], parent_pid: int | None) -> None:
         self._store, self._key, self._on_lost, self._parent = store, beat_key(rank), on_lost, parent_pid
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nanostream-heartbeat-{rank}", daemon=True)
 
     def start(self) -> Heartbeat:
         self._thread.start()
         return self
 
+    def stop(self, timeout: float = 5.0) -> bool:
+        """End the beats; True once the thread has left the store (False if a beat is still stuck in it)."""
+        self._stopped.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             if self._parent is not None and os.getppid() != self._parent:
                 self._on_lost(f"the engine process {self._parent} is gone")
                 return
             try:
                 self._store.add(self._key, 1)
             except Exception as exc:
-                self._on_lost(f"the engine's store cannot be reached ({exc})")
+                if not self._stopped.is_set():  # the store closing after a stop is the engine ending
+                    self._on_lost(f"the engine's store cannot be reached ({exc})")
                 return
-            time.sleep(BEAT_INTERVAL)
+            self._stopped.wait(BEAT_INTERVAL)
 
 
 def describe_exit(returncode: int) -> str:

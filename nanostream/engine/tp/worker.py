@@ -23,6 +23,7 @@ import signal
 import sys
 
 import torch
+import torch.distributed as dist
 
 from nanostream.distributed.group import TensorParallel
 from nanostream.distributed.liveness import Heartbeat
@@ -45,7 +46,18 @@ def run_worker(rendezvous: Rendezvous, parent_pid: int | None = None) -> int:
     """The life of a worker process (call it from the process's entry point: it sets the CUDA device)."""
     rank = rendezvous.rank
     store = rendezvous.connect()
-    Heartbeat(store, rank, _lost, parent_pid).start()
+    heartbeat = Heartbeat(store, rank, _lost, parent_pid).start()
+    try:
+        return _serve(rendezvous, store)
+    finally:  # the beat leaves the store first: one inside it as the interpreter finalizes aborts the process
+        if not heartbeat.stop():
+            log.warning("tensor-parallel worker rank %d: a heartbeat is stuck in the store; exiting now", rank)
+            logging.shutdown()
+            os._exit(1)
+
+
+def _serve(rendezvous: Rendezvous, store: dist.Store) -> int:
+    rank = rendezvous.rank
     setup = decode_setup(store.get("setup"))
     config = dataclasses.replace(setup.config, device=rank_device(setup.config.device, rendezvous.local_rank))
     device = torch.device(config.device)
