@@ -33,7 +33,7 @@ from nanostream import LLM, AsyncClient, EngineDeadError, SamplingParams
 from nanostream.client.launch import READY
 from nanostream.distributed import SINGLE, TensorParallel
 from nanostream.distributed.group import FRAME_BYTES
-from nanostream.distributed.liveness import BEAT_INTERVAL, Heartbeat, beat_key
+from nanostream.distributed.liveness import beat_key
 from nanostream.distributed.rendezvous import MULTICAST_OFF, Rendezvous, host_locally
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool
@@ -178,26 +178,15 @@ assert beat.stop() and not lost, lost
 """
 
 
-def test_a_worker_heartbeat_stops_before_the_process_exits_and_the_store_closing_after_is_no_loss():
-    # rank 0 closes the store as it ends; a worker told to stop must leave without a beat in flight (one
-    # inside the store's client as the interpreter finalizes kills the process with SIGABRT) and without
-    # reporting the closed store as a lost engine.
+def test_a_worker_heartbeat_stops_before_the_process_exits():
+    # A worker told to stop returns from its main thread; a beat still inside the store's client as the
+    # interpreter finalizes kills the process with SIGABRT (exit -6). With beats back to back, every exit
+    # falls inside one unless the beat was stopped first.
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", BEATING_CHILD, str(server.port)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
-    assert server.add(beat_key(1), 0) > 0
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
-    lost: list[str] = []
-    beat = Heartbeat(client, 2, lost.append, None).start()
-    time.sleep(0.3)
-    assert beat.stop()
-    count = server.add(beat_key(2), 0)
-    time.sleep(3 * BEAT_INTERVAL)
-    assert server.add(beat_key(2), 0) == count > 0  # no beat after the stop
-    del server
-    time.sleep(3 * BEAT_INTERVAL)
-    assert not lost  # stopped beats say nothing of the store going away
+    assert server.add(beat_key(1), 0) > 0  # the children did beat
 
 
 def test_collectives_and_the_control_channel():
