@@ -4,14 +4,17 @@ Each gives the angles a pair of dims turns by at each position (``RopeScaling.an
 cos/sin tables; ``RopeSpec.tables`` (layers/rotary.py) builds the tables from them, each step the same
 float32 op on the same values as ``transformers.modeling_rope_utils``. Reading a config's parameters into one
 is layers/rope_config.py's.
+
+Each is a frozen msgspec struct tagged by its ``rope_type``: a ``DecoderSpec`` holding one crosses the control
+channel to tensor-parallel workers (engine/tp/control.py) and decodes as the same type, which a ``Protocol`` or
+an untagged union of dataclasses cannot.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
 
+import msgspec
 import torch
 
 
@@ -25,22 +28,24 @@ def base_powers(theta: float, dim: int) -> torch.Tensor:
     return theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
 
 
-class RopeScaling(Protocol):
+class _Scaling(msgspec.Struct, frozen=True, tag_field="rope_type"):
     """A rope type's frequencies. ``angles(positions [P] float32, theta, dim)`` -> [P, dim/2] radians;
     ``table_scale``: the factor cos and sin are multiplied by (transformers' ``attention_scaling``)."""
 
-    rope_type: ClassVar[str]
+    @property
+    def rope_type(self) -> str:  # transformers' name of it: the struct's tag
+        return self.__struct_config__.tag
 
     @property
-    def table_scale(self) -> float: ...
+    def table_scale(self) -> float:
+        return 1.0
 
-    def angles(self, positions: torch.Tensor, theta: float, dim: int) -> torch.Tensor: ...
+    def angles(self, positions: torch.Tensor, theta: float, dim: int) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class _Uniform:
+class _Uniform(_Scaling, frozen=True):
     """A rope type whose frequencies are the same at every position: ``default_inv_freq(theta, dim)``."""
-
-    table_scale = 1.0
 
     def inv_freq(self, theta: float, dim: int) -> torch.Tensor:
         raise NotImplementedError
@@ -49,23 +54,19 @@ class _Uniform:
         return positions[:, None] * self.inv_freq(theta, dim)[None, :]
 
 
-@dataclass(frozen=True)
-class LinearRopeScaling(_Uniform):
+class LinearRopeScaling(_Uniform, frozen=True, tag="linear"):
     """rope_type "linear": every frequency divided by ``factor`` (positions slowed by it)."""
 
-    rope_type: ClassVar[str] = "linear"
     factor: float
 
     def inv_freq(self, theta: float, dim: int) -> torch.Tensor:
         return default_inv_freq(theta, dim) / self.factor
 
 
-@dataclass(frozen=True)
-class Llama3RopeScaling(_Uniform):
+class Llama3RopeScaling(_Uniform, frozen=True, tag="llama3"):
     """rope_type "llama3" (Llama 3.1+): long wavelengths slowed by ``factor``, short ones kept, those between
     interpolated."""
 
-    rope_type: ClassVar[str] = "llama3"
     factor: float
     low_freq_factor: float
     high_freq_factor: float
@@ -84,13 +85,11 @@ class Llama3RopeScaling(_Uniform):
         return torch.where(is_medium, smoothed, scaled)
 
 
-@dataclass(frozen=True)
-class YarnRopeScaling(_Uniform):
+class YarnRopeScaling(_Uniform, frozen=True, tag="yarn"):
     """rope_type "yarn" (gpt-oss, Qwen's long context): fast pairs kept (extrapolated), slow ones divided by
     ``factor`` (interpolated), a linear ramp between the dims that turn ``beta_fast`` and ``beta_slow`` times in
     ``original_max_position_embeddings``; cos and sin scaled by ``attention_factor``."""
 
-    rope_type: ClassVar[str] = "yarn"
     factor: float
     original_max_position_embeddings: int
     attention_factor: float
@@ -122,8 +121,7 @@ class YarnRopeScaling(_Uniform):
         return 1.0 / (self.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
-@dataclass(frozen=True)
-class LongRopeScaling:
+class LongRopeScaling(_Scaling, frozen=True, tag="longrope"):
     """rope_type "longrope" (Phi-3): per-pair ``short_factor`` / ``long_factor`` divide the frequencies; cos and
     sin scaled by ``attention_factor``.
 
@@ -137,7 +135,6 @@ class LongRopeScaling:
     below it with the long factors. nanostream batches many sequences into a step and caches K, so a position's
     rotation cannot depend on the rest of its call."""
 
-    rope_type: ClassVar[str] = "longrope"
     short_factor: tuple[float, ...]
     long_factor: tuple[float, ...]
     original_max_position_embeddings: int
@@ -153,3 +150,7 @@ class LongRopeScaling:
         long = 1.0 / (torch.tensor(self.long_factor, dtype=torch.float32) * powers)
         p = positions[:, None]
         return torch.where(p < self.original_max_position_embeddings, p * short[None, :], p * long[None, :])
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling | LongRopeScaling
+"""The rope types that scale the frequencies (the default rope type is no scaling: ``RopeSpec.scaling`` None)."""

@@ -130,6 +130,36 @@ def _classes(architecture: str):
     return getattr(transformers, config), getattr(transformers, architecture)
 
 
+def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
+    """The transformers config of ``make_tiny_model(DIR, architecture=..., **config_overrides)``, in memory."""
+    config_cls, _ = _classes(architecture)
+    tokenizer = build_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        pad_token_id=eos,
+    )
+    if architecture == "Qwen3ForCausalLM":
+        kwargs["head_dim"] = 16
+    elif architecture == "MistralForCausalLM":
+        kwargs["sliding_window"] = None
+    kwargs.update(_TINY_MOE.get(architecture, {}))
+    kwargs.update(_TINY_DENSE.get(architecture, {}))
+    kwargs.update(config_overrides)
+    config = config_cls(**kwargs)
+    config.architectures = [architecture]
+    return config
+
+
 def make_tiny_model(
     path: str | os.PathLike,
     *,
@@ -158,33 +188,11 @@ def make_tiny_model(
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
-    config_cls, model_cls = _classes(architecture)
+    _, model_cls = _classes(architecture)
     path = Path(path)
     tokenizer = build_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    kwargs = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=eos,
-        bos_token_id=eos,
-        pad_token_id=eos,
-    )
-    if architecture == "Qwen3ForCausalLM":
-        kwargs["head_dim"] = 16
-    elif architecture == "MistralForCausalLM":
-        kwargs["sliding_window"] = None
-    kwargs.update(_TINY_MOE.get(architecture, {}))
-    kwargs.update(_TINY_DENSE.get(architecture, {}))
-    kwargs.update(config_overrides)
-    config = config_cls(**kwargs)
+    config = tiny_config(architecture, **config_overrides)
     if not weights:
-        config.architectures = [architecture]
         config.dtype = weights_dtype
         path.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(path)
