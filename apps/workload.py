@@ -149,11 +149,9 @@ def load_workload(
     args: argparse.Namespace, model: Path, engine_kwargs: dict
 ) -> tuple[Any, EngineConfig, list[Request]]:
     """The model's HF config, the resolved engine config and the workload; prints what they are."""
-    from transformers import AutoConfig
+    from nanostream.models.model_config import read_model_config
 
-    from nanostream.models.architectures import text_config
-
-    hf_config = text_config(AutoConfig.from_pretrained(model))  # a multimodal checkpoint: its language model's
+    hf_config = read_model_config(model).text  # a multimodal checkpoint: its language model's
     cfg = EngineConfig.from_kwargs(str(model), **engine_kwargs).resolve(
         max_position_embeddings=hf_config.max_position_embeddings, cuda_available=torch.cuda.is_available()
     )

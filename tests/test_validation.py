@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -187,3 +189,51 @@ def test_hub_id_without_network_says_to_pass_a_directory(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="pass a local model directory"):
         LLM("nanostream-test/not-a-real-model")
+
+
+def write_config(path, config, architectures: list[str]):
+    """A model directory holding only ``config`` (saved as transformers does) under ``architectures``."""
+    config.architectures = architectures
+    config.save_pretrained(path)
+    return path
+
+
+def test_a_published_multimodal_qwen3_5_is_refused_by_name_not_with_a_traceback(tmp_path):
+    # As Qwen publishes it: the language model's settings under text_config, no max_position_embeddings at the top.
+    from transformers import Qwen3_5Config
+
+    model = write_config(tmp_path, Qwen3_5Config(), ["Qwen3_5ForConditionalGeneration"])
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['Qwen3_5ForConditionalGeneration'\].*"
+                       r"nanostream runs Qwen3ForCausalLM, .*Gemma3ForCausalLM"):  # fmt: skip
+        LLM(str(model), device="cpu")
+    done = subprocess.run(
+        [sys.executable, "-m", "nanostream", "generate", "--model", str(model), "--device", "cpu", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2  # the CLI's exit for an error whose message says what to change
+    assert "Qwen3_5ForConditionalGeneration" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_config_that_lacks_a_field_the_architecture_needs_names_both(tmp_path):
+    # A composite config (model_type qwen3_5: its fields under text_config) labelled as a decoder nanostream runs.
+    from transformers import Qwen3_5Config
+
+    model = write_config(tmp_path, Qwen3_5Config(), ["Qwen3ForCausalLM"])
+    with pytest.raises(ModelLoadError, match=r"Qwen3ForCausalLM's config.json \(Qwen3_5Config\) has no "
+                       r"max_position_embeddings"):  # fmt: skip
+        LLM(str(model), device="cpu")
+
+
+def test_every_field_the_config_reader_reads_is_named_when_missing():
+    # Whatever field decoder_spec reads first and finds missing, the error names the architecture and it.
+    from types import SimpleNamespace
+
+    from nanostream.models import decoder_spec
+    from nanostream.testing import tiny_config
+
+    full = tiny_config("Qwen3ForCausalLM").to_dict()
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "rms_norm_eps",
+                "intermediate_size", "max_position_embeddings"):  # fmt: skip
+        partial = SimpleNamespace(**{k: v for k, v in full.items() if k != key})
+        with pytest.raises(ModelLoadError, match=rf"Qwen3ForCausalLM's config.json \(SimpleNamespace\) has no {key}"):
+            decoder_spec(partial, max_model_len=64)

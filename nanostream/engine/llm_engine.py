@@ -16,7 +16,6 @@ import random
 import time
 
 import torch
-from transformers import AutoConfig
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.rendezvous import Rendezvous
@@ -29,10 +28,10 @@ from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.stats import StepCounters
 from nanostream.engine.tp.workers import WorkerGroup, agreed_config
-from nanostream.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from nanostream.errors import EngineDeadError, InvalidRequestError
 from nanostream.models import decoder_spec
-from nanostream.models.architectures import text_config
 from nanostream.models.loader import resolve_model_path
+from nanostream.models.model_config import read_model_config
 from nanostream.models.quantization import weights_dtype
 from nanostream.protocol import EngineStats, RequestDelta
 from nanostream.sampling_params import SamplingParams
@@ -61,16 +60,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
         self.model_path = resolve_model_path(config.model)
-        try:
-            hf_config = AutoConfig.from_pretrained(self.model_path)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read {self.model_path / 'config.json'}: {exc}") from exc
-        text = text_config(hf_config)  # a multimodal checkpoint's language model
+        model = read_model_config(self.model_path)  # refuses an architecture or a config it cannot run, by name
+        text = model.text  # a multimodal checkpoint's language model
         self.config = config = config.resolve(
             max_position_embeddings=text.max_position_embeddings,
             cuda_available=torch.cuda.is_available(),
         )
-        spec = decoder_spec(hf_config, max_model_len=config.max_model_len)
+        spec = decoder_spec(model.hf_config, max_model_len=config.max_model_len)
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(config, spec, self.model_path)

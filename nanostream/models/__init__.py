@@ -1,6 +1,6 @@
 """Models: the shared decoder (decoder.py, its layers in decoder_layer.py) and its shape (spec.py), the
-architectures it runs (architectures.py), reading a config.json into a spec (config_reader.py), how the decoder
-splits over tensor-parallel ranks (sharding.py), loading weights (loader.py, quantization.py).
+architectures it runs (architectures.py), reading a config.json (model_config.py) into a spec (config_reader.py),
+how the decoder splits over tensor-parallel ranks (sharding.py), loading weights (loader.py, quantization.py).
 May import layers/, distributed/ and nanostream's errors; the engine imports this, never the reverse.
 
 ``load_model`` builds the decoder for a config.json and fills it from the checkpoint::

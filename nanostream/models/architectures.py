@@ -9,9 +9,7 @@ of a mixture-of-experts family, under the config keys its ``Experts`` declaratio
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any
 
 from nanostream.models.spec import LayerNorms
 
@@ -161,21 +159,6 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 """Multimodal checkpoints whose language model nanostream serves on its own (text in, text out): the wrapper's
 architecture -> its text model's. The language model's tensors sit under ``language_model.``; the vision tower
 and the projector are not loaded."""
-
-
-def text_config(hf_config: Any) -> Any:
-    """The config of the decoder nanostream runs: ``hf_config`` itself, or a multimodal wrapper's text config
-    (``TEXT_MODELS``), with the wrapper's quantization_config."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    wrapper = next((a for a in architectures if a in TEXT_MODELS), None)
-    if wrapper is None or getattr(hf_config, "text_config", None) is None:
-        return hf_config
-    text = copy.deepcopy(hf_config.text_config)
-    text.architectures = [TEXT_MODELS[wrapper]]
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant is not None:
-        text.quantization_config = quant
-    return text
 
 
 def supported_list() -> str:

@@ -19,14 +19,8 @@ from nanostream.layers.activation import ACTIVATIONS
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
-from nanostream.models.architectures import (
-    ARCHITECTURES,
-    TEXT_MODELS,
-    Architecture,
-    Experts,
-    supported_list,
-    text_config,
-)
+from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture, Experts
+from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.quantization import fp8_spec
 from nanostream.models.spec import DecoderSpec
 
@@ -169,19 +163,17 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     """Read the decoder's shape from a transformers config, refusing what the decoder cannot run.
 
     ``max_model_len``: the engine's (resolved) limit. Sliding windows at least that long hide no token, so
-    a model whose windows all are runs as full attention."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    if any(a in TEXT_MODELS for a in architectures):  # a multimodal checkpoint: its language model alone
+    a model whose windows all are runs as full attention. A field the config lacks is a ``ModelLoadError``
+    naming it (models/model_config.py)."""
+    name = supported_architecture(hf_config)
+    if name in TEXT_MODELS:  # a multimodal checkpoint: its language model alone
         spec = decoder_spec(text_config(hf_config), max_model_len=max_model_len)
-        quantization = fp8_spec(getattr(hf_config, "quantization_config", None), architectures[0])
+        quantization = fp8_spec(getattr(hf_config, "quantization_config", None), name)
         return dataclasses.replace(
             spec, checkpoint_prefix="language_model.", quantization=quantization or spec.quantization
         )
-    name = next((a for a in architectures if a in ARCHITECTURES), None)
-    if name is None:
-        raise ModelLoadError(
-            f"unsupported architecture {architectures or 'missing'} in config.json; nanostream runs {supported_list()}"
-        )
+    if not isinstance(hf_config, ConfigFields):
+        hf_config = ConfigFields(hf_config, name)  # a field it lacks: a ModelLoadError naming it
     arch = ARCHITECTURES[name]
     _refuse_unsupported(hf_config, name, arch)
     act = getattr(hf_config, arch.activation_key, None) or "silu"
