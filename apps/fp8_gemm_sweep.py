@@ -51,7 +51,8 @@ from triton.testing import do_bench_cudagraph
 sys.path.insert(0, ".")
 from nanostream.kernels._device import num_sms
 from nanostream.kernels.fp8_gemm import Config, default_config, fp8_scaled_matmul, quantize_per_token_group
-from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_add_norm, gemv_config
+from nanostream.kernels.fp8_gemv import fp8_gemv, fp8_gemv_add_norm
+from nanostream.kernels.fp8_gemv_config import GemvConfig, gemv_config
 from nanostream.kernels.norm_act import rms_norm, silu_and_mul
 from nanostream.layers.fp8_linear import _block_scaled_mm, dequantize, quantize
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanostream.kernels.fp8_gemv import GemvConfig, fp8_gemv, gemv_config, gemv_takes
+from nanostream.kernels.fp8_gemv import fp8_gemv
+from nanostream.kernels.fp8_gemv_config import GemvConfig, gemv_config, gemv_takes
 from nanostream.kernels.norm_act import act_and_mul
 from tests.test_fp8_gemm import dequantized, quantize_weight
 

@@ -13,3 +13,16 @@ def test_no_folder_of_the_checkout_hides_an_installed_distribution():
     installed = importlib.metadata.packages_distributions()
     hidden = {name: installed[name] for name in importable - {"nanostream"} if name in installed}
     assert not hidden, f"move these into nanostream/ (they hide installed packages): {hidden}"
+
+
+MAX_LINES = 300
+
+
+def test_every_module_of_the_package_stays_small_enough_to_read_at_once():
+    # The style's rule (shared/style.md: one concept per file): a file past it is split by what each part does.
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "nanostream").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by what each part does (at most {MAX_LINES} lines a file): {long}"

@@ -85,7 +85,7 @@ def gemv_runs(x: torch.Tensor | PendingNorm, block: tuple[int, int]) -> bool:
     """Whether ``fp8_linear`` multiplies ``x`` [..., in] by the weight-streaming kernel (CUDA, one token, a
     layout it reads): where it does, ``fp8_linear(..., act=)`` applies the MLP's activation in it. A
     ``PendingNorm`` only that kernel takes."""
-    from nanostream.kernels.fp8_gemv import GEMV_ROWS, gemv_takes
+    from nanostream.kernels.fp8_gemv_config import GEMV_ROWS, gemv_takes
 
     if not isinstance(x, torch.Tensor):  # a PendingNorm
         return True
@@ -97,7 +97,7 @@ def norm_fuses(x: torch.Tensor, residual: torch.Tensor, block: tuple[int, int], 
     """Whether a kept layer of ``n`` outputs in ``block``s can end its one-token GEMV of ``x`` in the residual add
     and RMSNorm after it (``fp8_linear_add_norm``), the next kept projection's (in ``then``'s blocks) taking the
     norm's 1 / rms: both GEMVs run (``gemv_runs``) and this one's K is not split."""
-    from nanostream.kernels import fp8_gemv
+    from nanostream.kernels import fp8_gemv_config
 
     return (
         gemv_runs(x, block)
@@ -105,7 +105,7 @@ def norm_fuses(x: torch.Tensor, residual: torch.Tensor, block: tuple[int, int], 
         and residual.shape == (x.shape[0], n)
         and residual.dtype == x.dtype
         and gemv_runs(residual, then)
-        and fp8_gemv.norm_fuses(n, x.shape[1], x.device)
+        and fp8_gemv_config.norm_fuses(n, x.shape[1], x.device)
     )
 
 
