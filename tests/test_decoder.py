@@ -37,7 +37,8 @@ from nanostream.sampling_params import SamplingParams
 ALL = (
     "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, "
-    "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MixtralForCausalLM"
+    "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MixtralForCausalLM, "
+    "Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM"
 )
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

@@ -198,12 +198,13 @@ def write_config(path, config, architectures: list[str]):
     return path
 
 
-def test_a_published_multimodal_qwen3_5_is_refused_by_name_not_with_a_traceback(tmp_path):
-    # As Qwen publishes it: the language model's settings under text_config, no max_position_embeddings at the top.
-    from transformers import Qwen3_5Config
+def test_a_published_multimodal_model_nanostream_does_not_run_is_refused_by_name_not_with_a_traceback(tmp_path):
+    # As Qwen publishes Qwen3-VL: the language model's settings under text_config, no max_position_embeddings at
+    # the top (Qwen3.5's multimodal checkpoints, alike, run: their language model, tests/test_hybrid_model.py).
+    from transformers import Qwen3VLConfig
 
-    model = write_config(tmp_path, Qwen3_5Config(), ["Qwen3_5ForConditionalGeneration"])
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['Qwen3_5ForConditionalGeneration'\].*"
+    model = write_config(tmp_path, Qwen3VLConfig(), ["Qwen3VLForConditionalGeneration"])
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['Qwen3VLForConditionalGeneration'\].*"
                        r"nanostream runs Qwen3ForCausalLM, .*Gemma3ForCausalLM"):  # fmt: skip
         LLM(str(model), device="cpu")
     done = subprocess.run(
@@ -211,7 +212,7 @@ def test_a_published_multimodal_qwen3_5_is_refused_by_name_not_with_a_traceback(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2  # the CLI's exit for an error whose message says what to change
-    assert "Qwen3_5ForConditionalGeneration" in done.stderr and "Traceback" not in done.stderr
+    assert "Qwen3VLForConditionalGeneration" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_config_that_lacks_a_field_the_architecture_needs_names_both(tmp_path):

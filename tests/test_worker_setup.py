@@ -60,9 +60,12 @@ def config_of(name: str, rope_type: str, partial: float | None):
 
 @pytest.mark.parametrize(("name", "rope_type", "partial"), variants())
 def test_every_family_and_rope_type_crosses_the_control_channel(name, rope_type, partial):
-    spec = decoder_spec(config_of(name, rope_type, partial), max_model_len=256)
+    config = config_of(name, rope_type, partial)
+    spec = decoder_spec(config, max_model_len=256)
     assert spec.rope.rope_type == rope_type
-    assert (spec.rope.rotary_dim is not None) == (partial is not None) or spec.rope.interleaved
+    # the config's own default where none is given (Qwen3-Next's and Qwen3.5's: a quarter of each head)
+    partial = config.rope_parameters.get("partial_rotary_factor", 1.0) if partial is None else partial
+    assert (spec.rope.rotary_dim is not None) == (partial != 1.0) or spec.rope.interleaved
     setup = Setup(EngineConfig(model="m", device="cpu"), spec)
     got = decode_setup(encode(setup))
     assert got == setup

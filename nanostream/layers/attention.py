@@ -25,6 +25,7 @@ from torch import nn
 
 from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
 from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
+from nanostream.layers.cache_spec import PagedKV, StateCache, StateMetadata
 from nanostream.layers.linear import TensorSlice
 from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
 from nanostream.layers.rotary import RotaryEmbedding
@@ -35,7 +36,8 @@ class ForwardContext:
     """Everything a forward pass needs beyond the token ids and positions, passed down explicitly."""
 
     attn: AttentionMetadata
-    kv_caches: list[KVCache]  # one per layer, views of the KV pool
+    kv_caches: list[KVCache | StateCache]  # one per layer: views of the KV pool, or of the state pool (recurrent)
+    states: StateMetadata | None = None  # the recurrent layers' slots and snapshots; None: the model has none
 
 
 class HeadSinks(nn.Module):
@@ -109,7 +111,8 @@ class Attention(nn.Module):
     ``norm_kernel`` runs the QK-norm where no fused prologue does. ``scale``: the softmax scale (None:
     head_dim ** -0.5); ``window``: a sliding window of that many positions, itself included; ``sinks``:
     gpt-oss's per-head sink logits. ``kv_scales``: the scales of an FP8 KV cache (1.0 until a checkpoint's
-    load), passed to the backend when the pool is FP8.
+    load), passed to the backend when the pool is FP8. ``output_gate`` (Qwen3-Next, Qwen3.5): each head's q rows
+    are [query D | gate D] (qkv [T, (2 Hq + 2 Hkv) D]) and the output is times sigmoid(gate).
     """
 
     def __init__(
@@ -128,9 +131,11 @@ class Attention(nn.Module):
         scale: float | None = None,
         window: int | None = None,
         sinks: HeadSinks | None = None,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.output_gate = output_gate
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.split_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -152,8 +157,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_size, qk_norm_eps, norm_kernel, norm_weight_offset)
             self.k_norm = RMSNorm(k_size, qk_norm_eps, norm_kernel, norm_weight_offset)
 
+    def cache_spec(self) -> PagedKV:
+        """What the layer keeps per token: K and V of its (this rank's) KV heads."""
+        return PagedKV(self.num_kv_heads, self.head_dim)
+
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # positions: [T], qkv: [T, (Hq + 2 Hkv) D]
+        # positions: [T], qkv: [T, (Hq + 2 Hkv) D] (with output_gate: [T, (2 Hq + 2 Hkv) D])
+        if not self.output_gate:
+            return self._attend(positions, qkv, ctx)
+        q_gate, kv = qkv.split([2 * self.split_sizes[0], 2 * self.split_sizes[1]], -1)
+        q, gate = q_gate.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, -1)  # [T, Hq, D] each
+        out = self._attend(positions, torch.cat((q.flatten(1), kv), -1), ctx)  # q, k, v packed as every layer's
+        return out * torch.sigmoid(gate.flatten(1))
+
+    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache = ctx.kv_caches[self.layer_idx]
         options = self._options if self.sinks is None else {**self._options, "sinks": self.sinks.weight}
         scales = {}  # an FP8 pool's K and V scales, for the store and the attention

@@ -116,7 +116,9 @@ class MergedColumnLinear(Linear):
     """Projections of one input stacked along the output dimension.
 
     ``parts`` maps each checkpoint projection to the rows of it this layer holds and that tensor's full
-    row count: ``{"q": (range(0, 512), 1024), ...}`` is the first half of a 1024-row q_proj."""
+    row count: ``{"q": (range(0, 512), 1024), ...}`` is the first half of a 1024-row q_proj. Parts named
+    ``name.*`` come from one checkpoint tensor (shard ``name``), one after the other in it: Qwen3.5's
+    ``in_proj_qkv`` is parts ``qkv.q``, ``qkv.k``, ``qkv.v``, each split over the ranks on its own."""
 
     def __init__(
         self, in_features: int, parts: dict[str, tuple[range, int]], bias: bool, gemm: Gemm = F.linear
@@ -143,33 +145,43 @@ class MergedColumnLinear(Linear):
     def load_fp8(
         self, loaded: TensorSlice, scale: torch.Tensor, block: tuple[int, int], shard: str | None
     ) -> list[str]:
-        """One part's FP8 rows (``shard``) or, for a fused checkpoint tensor (None), every part's; the parts filled."""
-        start = 0
-        for name, (rows, total) in self.parts.items():
-            if shard in (None, name):
-                base = 0 if shard else start
-                self.put_fp8(loaded, scale, block, range(base + rows.start, base + rows.stop), self.shard_offsets[name])
+        """One checkpoint tensor's FP8 rows and scales (``shard``: a part or a group of them; None: a tensor that
+        fuses every part); the parts filled."""
+        names, start = self._group(shard), 0
+        for name in names:
+            rows, total = self.parts[name]
+            self.put_fp8(loaded, scale, block, range(start + rows.start, start + rows.stop), self.shard_offsets[name])
             start += total
-        return [shard] if shard else list(self.parts)
+        return names
 
-    def load_shard(self, param: nn.Parameter, loaded: TensorSlice, shard: str) -> None:
-        (rows, total), offset = self.parts[shard], self.shard_offsets[shard]
-        if _rows(loaded) != total:
-            raise ValueError(f"shard {shard!r} has {_rows(loaded)} rows, expected {total}")
-        param.data[offset : offset + len(rows)].copy_(loaded[rows.start : rows.stop])
+    def load_shard(self, param: nn.Parameter, loaded: TensorSlice, shard: str) -> list[str]:
+        """The rows of ``shard`` (a part, or the parts ``shard.*`` of one tensor) from ``loaded``; the parts filled."""
+        return self._load(param, loaded, self._group(shard))
 
     def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> list[str]:
         """A checkpoint that fuses the parts already (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``): each
         part's rows, in ``parts`` order, from its place in the fused tensor; the parts it filled."""
-        expected = sum(total for _, total in self.parts.values())
+        return self._load(param, loaded, self._group(None))
+
+    def _group(self, shard: str | None) -> list[str]:
+        """The parts one checkpoint tensor holds, in order: ``shard`` or the parts ``shard.*``; None: every part."""
+        if shard is None:
+            return list(self.parts)
+        names = [n for n in self.parts if n == shard or n.startswith(shard + ".")]
+        if not names:
+            raise ValueError(f"no part {shard!r} here, only {', '.join(self.parts)}")
+        return names
+
+    def _load(self, param: nn.Parameter, loaded: TensorSlice, names: list[str]) -> list[str]:
+        expected = sum(self.parts[n][1] for n in names)
         if _rows(loaded) != expected:
-            raise ValueError(f"a fused tensor of {_rows(loaded)} rows, expected {expected} ({', '.join(self.parts)})")
+            raise ValueError(f"a tensor of {_rows(loaded)} rows for {', '.join(names)}, expected {expected}")
         start = 0
-        for name, (rows, total) in self.parts.items():
-            offset = self.shard_offsets[name]
+        for name in names:
+            (rows, total), offset = self.parts[name], self.shard_offsets[name]
             param.data[offset : offset + len(rows)].copy_(loaded[start + rows.start : start + rows.stop])
             start += total
-        return list(self.parts)
+        return names
 
 
 class RowParallelLinear(Linear):

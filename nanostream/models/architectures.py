@@ -4,7 +4,8 @@ language model runs alone (``TEXT_MODELS``).
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
 from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
 come from the config itself (models/config_reader.py reads them into a ``DecoderSpec``); so do the experts
-of a mixture-of-experts family, under the config keys its ``Experts`` declaration names.
+of a mixture-of-experts family, under the config keys its ``Experts`` declaration names, and a hybrid family's
+Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys: models/layer_kinds.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ class Experts:
     """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
     SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
     interleaved."""
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetLayers:
+    """A hybrid family's ``linear_attention`` layers (config.json's ``layer_types``): Gated DeltaNet, sized by the
+    config's ``linear_*`` keys (layers/gated_deltanet.py)."""
+
+    fused_projections: bool = False
+    """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
+    (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,14 @@ class Architecture:
     """A learned sink logit per head in every softmax (gpt-oss)."""
     no_rope_layers: bool = False
     """The config's no_rope_layers (0: no rotary embedding in that layer) (SmolLM3)."""
+    attn_output_gate: bool = False
+    """q_proj gives each head's query and an output gate, [query D | gate D]; the attention output is times
+    sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
+    gated_deltanet: GatedDeltaNetLayers | None = None
+    """Its ``linear_attention`` layers; None: every layer attends."""
+    unused_tensors: tuple[str, ...] = ()
+    """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
+    tower): not loaded, one log line each."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -153,12 +172,57 @@ ARCHITECTURES: dict[str, Architecture] = {
         )
     ),
 }
+# Qwen3-Next and Qwen3.5 / Qwen3.6: three Gated DeltaNet layers to one of gated attention, whose (1 + w) norms
+# (the DeltaNet's gated norm has a plain weight) and partial rotary (a quarter of each head) they share. Qwen3.5's
+# M-RoPE (rope_parameters' mrope_section, mrope_interleaved) gives each frequency the text, height or width
+# position of a token; for text those three are one position, so it is the 1-D rotary embedding, whatever its
+# scaling: nanostream runs text (its multimodal checkpoints' language model), the keys are accepted and not read.
+_HYBRID = dict(
+    qk_norm=True,
+    attention_bias_key="attention_bias",
+    norm_weight_offset=1.0,
+    partial_rotary=True,
+    attn_output_gate=True,
+    rope_types=ROPES,
+)
+_QWEN3_5_UNUSED = ("mtp.", "model.visual.")  # its multi-token prediction layer; a vision tower left in
+ARCHITECTURES |= {
+    "Qwen3NextForCausalLM": Architecture(
+        **_HYBRID,
+        gated_deltanet=GatedDeltaNetLayers(fused_projections=True),
+        experts=Experts(shared_expert=True),
+        unused_tensors=("mtp.",),
+    ),
+    "Qwen3_5ForCausalLM": Architecture(**_HYBRID, gated_deltanet=GatedDeltaNetLayers(), unused_tensors=_QWEN3_5_UNUSED),
+    "Qwen3_5MoeForCausalLM": Architecture(
+        **_HYBRID,
+        gated_deltanet=GatedDeltaNetLayers(),
+        experts=Experts(shared_expert=True, renormalize=True, sparse_layers=False),  # every layer's, no key for either
+        unused_tensors=_QWEN3_5_UNUSED,
+    ),
+}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-"""Multimodal checkpoints whose language model nanostream serves on its own (text in, text out): the wrapper's
-architecture -> its text model's. The language model's tensors sit under ``language_model.``; the vision tower
-and the projector are not loaded."""
+
+@dataclass(frozen=True)
+class TextModel:
+    """A multimodal checkpoint's language model, which nanostream serves on its own (text in, text out)."""
+
+    architecture: str
+    """The language model's architecture, one of ``ARCHITECTURES``."""
+    prefixes: tuple[tuple[str, str], ...]
+    """Where its tensors sit: (the checkpoint's prefix, the language model's); the vision tower and the projector,
+    under none of them, are not loaded."""
+
+
+_QWEN_VL_LAYOUT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+TEXT_MODELS = {
+    "Gemma3ForConditionalGeneration": TextModel("Gemma3ForCausalLM", (("language_model.", ""),)),
+    "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
+    "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
+}
+"""Multimodal checkpoints whose language model nanostream serves on its own: the wrapper's architecture -> its
+language model."""
 
 
 def supported_list() -> str:

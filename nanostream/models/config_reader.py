@@ -20,6 +20,7 @@ from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture, Experts
+from nanostream.models.layer_kinds import attention_output_gate, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.quantization import fp8_spec
 from nanostream.models.spec import DecoderSpec
@@ -170,7 +171,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         spec = decoder_spec(text_config(hf_config), max_model_len=max_model_len)
         quantization = fp8_spec(getattr(hf_config, "quantization_config", None), name)
         return dataclasses.replace(
-            spec, checkpoint_prefix="language_model.", quantization=quantization or spec.quantization
+            spec, checkpoint_prefixes=TEXT_MODELS[name].prefixes, quantization=quantization or spec.quantization
         )
     if not isinstance(hf_config, ConfigFields):
         hf_config = ConfigFields(hf_config, name)  # a field it lacks: a ModelLoadError naming it
@@ -189,12 +190,14 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
     windows = _layer_windows(hf_config, name, arch, max_model_len)
+    moe = _moe(hf_config, name, arch.experts) if arch.experts else None
+    mixers, gated_deltanet = token_mixers(hf_config, name, arch)
     return DecoderSpec(
         architecture=name,
         quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
+        intermediate_size=_dense_intermediate_size(hf_config, moe),
         num_layers=hf_config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
@@ -207,7 +210,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         qk_norm=arch.qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         mlp_bias=mlp_bias,
-        moe=_moe(hf_config, name, arch.experts) if arch.experts else None,
+        moe=moe,
         norms=arch.norms,
         norm_weight_offset=arch.norm_weight_offset,
         qk_norm_whole=arch.qk_norm_whole,
@@ -218,7 +221,18 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
         rope_layers=_rope_layers(hf_config, name, arch),
+        token_mixers=mixers,
+        gated_deltanet=gated_deltanet,
+        attn_output_gate=attention_output_gate(hf_config, name, arch),
+        unused_tensors=arch.unused_tensors,
     )
+
+
+def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None) -> int:
+    """The dense MLP's intermediate size; 0 where every layer is MoE and the config has none (Qwen3.5-MoE's)."""
+    if moe is not None and len(moe.layers) == hf_config.num_hidden_layers:
+        return getattr(hf_config, "intermediate_size", 0)
+    return hf_config.intermediate_size
 
 
 def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, float | None]:

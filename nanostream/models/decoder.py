@@ -1,14 +1,15 @@
-"""The decoder shared by every supported architecture: the Llama-style stack of attention and MLP layers,
+"""The decoder shared by every supported architecture: the Llama-style stack of token-mixing and MLP layers,
 with what a family does differently (models/architectures.py) as fields of ``DecoderSpec`` (models/spec.py).
 
-Its layers are ``DecoderLayer``s (models/decoder_layer.py): attention and an MLP (dense, or the MoE block
-in the layers ``spec.moe`` names) with the family's norms around them. Between layers the hidden state travels
-as ``(x, residual)``, the layer input being their sum (the add fuses into the next norm); each attention layer
-attends over its window (``spec.layer_windows``) with its rotary table, held here, one per rotary kind.
-Which kernels the layers run comes with ``LayerKernels`` at construction. Parameter names follow
-the Hugging Face checkpoints; where a module sits elsewhere here (the fused ``qkv_proj`` and
-``gate_up_proj``, the QK-norms and sinks inside the attention layer, the stacked experts)
-``checkpoint_modules`` and the ``checkpoint_*`` maps below say where its tensors go.
+Its layers are ``DecoderLayer``s (models/decoder_layer.py): attention (or, in a hybrid family's
+``linear_attention`` layers, Gated DeltaNet) and an MLP (dense, or the MoE block in the layers ``spec.moe``
+names) with the family's norms around them; each declares what it keeps between steps (``cache_specs``).
+Between layers the hidden state travels as ``(x, residual)``, the layer input being their sum (the add fuses into
+the next norm); each attention layer attends over its window (``spec.layer_windows``) with its rotary table, held
+here, one per rotary kind. Which kernels the layers run comes with ``LayerKernels`` at construction. Parameter
+names follow the Hugging Face checkpoints; where a module sits elsewhere here (the fused ``qkv_proj``,
+``gate_up_proj`` and a Gated DeltaNet's ``in_proj``, the QK-norms and sinks inside the attention layer, the
+stacked experts) ``checkpoint_modules`` and the ``checkpoint_*`` maps below say where its tensors go.
 
 With tensor parallelism (``tp``, distributed/group.py) every module is built for this rank's shard
 (models/sharding.py): q/k/v and gate/up column-parallel (whole heads per rank), o_proj and down_proj
@@ -23,6 +24,7 @@ from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.attention import ForwardContext
+from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.fp8_linear import FP8
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.norm import RMSNorm
@@ -85,8 +87,9 @@ class DecoderModel(nn.Module):
         return self.layers[0].attn_in(self.embed(input_ids), None)
 
     def attend(self, i: int, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Layer ``i``'s attention: its qkv projection -> the attention output [T, heads x head_dim]."""
-        return self.layers[i].self_attn.attn(positions, qkv, ctx)
+        """Layer ``i``'s mixing: its input projection -> its output before o_proj (attention's [T, heads x head_dim]);
+        the only piece that reads the step's metadata and the layer's cache."""
+        return self.layers[i].mixer(positions, qkv, ctx)
 
     def between(
         self, i: int, attn_out: torch.Tensor, residual: torch.Tensor
@@ -119,6 +122,13 @@ class DecoderForCausalLM(nn.Module):
         "sinks": ("attn.sinks.weight", None),
         "k_scale": ("attn.kv_scales.k_scale", None),  # an FP8 KV cache's scales (llm-compressor's, vLLM's names)
         "v_scale": ("attn.kv_scales.v_scale", None),
+        # a Gated DeltaNet layer's input projections, all in its in_proj (layers/gated_deltanet.py)
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+        "in_proj_qkvz": ("in_proj", "qkvz"),
+        "in_proj_ba": ("in_proj", "ba"),
     }
     # Mixtral's published name of its MoE block, gpt-oss's of its router
     checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate"}
@@ -153,12 +163,19 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    def cache_specs(self) -> list[CacheSpec]:
+        """What each layer keeps between steps, in layer order, for this rank's shard (layers/cache_spec.py):
+        ``PagedKV`` for an attention layer, ``RecurrentState`` for a Gated DeltaNet layer. ``ctx.kv_caches[i]``
+        is then layer i's ``KVCache`` or ``StateCache``."""
+        return [layer.cache_spec() for layer in self.model.layers]
+
     @torch.no_grad()
     def after_loading(self) -> None:
         """Put each head's q and k dims in the rotary tables' order (``RopeSpec.head_order``: partial and
-        interleaved rotary, GLM-4, Phi-3), once, after the weights are in: the q and k rows of ``qkv_proj``, their
-        biases, FP8 scales per row, and per-head QK-norm weights (an FP8 block holds whole heads). q·k, so
-        attention, is unchanged. Nothing to do for most families."""
+        interleaved rotary, GLM-4, Phi-3, Qwen3-Next), once, after the weights are in: the q and k rows of
+        ``qkv_proj`` (with an output gate, each head's query rows; its gate rows stay), their biases, FP8 scales
+        per row, and per-head QK-norm weights (an FP8 block holds whole heads). q·k, so attention, is unchanged.
+        Nothing to do for most families."""
         d = self.spec.head_dim
         order = self.spec.rope.head_order(d)
         if order is None:
@@ -166,15 +183,20 @@ class DecoderForCausalLM(nn.Module):
         if self.spec.sliding_rope is not None and not torch.equal(order, self.spec.sliding_rope.head_order(d)):
             raise ValueError("the sliding layers' rotary dims are ordered otherwise than the full layers'")
         order = order.to(self.model.embed_tokens.weight.device)
+        q_order, q_d = order, d
+        if self.spec.attn_output_gate:  # a head's q rows: [query D | gate D]
+            q_order, q_d = torch.cat((order, torch.arange(d, 2 * d, device=order.device))), 2 * d
         for layer in self.model.layers:
+            if layer.kind != "attention":
+                continue
             proj, attn = layer.self_attn.qkv_proj, layer.self_attn.attn
             q, k = (range(o, o + len(proj.parts[p][0])) for p, o in proj.shard_offsets.items() if p in "qk")
             per_row_scale = proj.fp8_block is not None and proj.fp8_block[0] == 1  # else whole heads per block
             for param in (proj.weight, proj.bias, proj.weight_scale if per_row_scale else None):
                 if param is not None:
                     data = param.view(torch.uint8) if param.dtype == FP8 else param  # FP8: its bytes moved
-                    for rows in (q, k):
-                        data[rows.start : rows.stop] = permute_heads(data[rows.start : rows.stop], order, d)
+                    for rows, o, size in ((q, q_order, q_d), (k, order, d)):
+                        data[rows.start : rows.stop] = permute_heads(data[rows.start : rows.stop], o, size)
             if attn.qk_norm and not attn.qk_norm_whole:
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.copy_(norm.weight[order])

@@ -1,11 +1,15 @@
-"""One layer of the shared decoder (models/decoder.py): self-attention and an MLP, with the family's norms.
+"""One layer of the shared decoder (models/decoder.py): a token mixer and an MLP, with the family's norms.
 
-A ``DecoderLayer`` owns its forward in two steps around its attention call, ``attn_in`` (the norms before
-attention, the qkv projection) and ``attn_out`` (the output projection, the norms and residual adds around
-the MLP), so that where a family puts its norms (before each block as Llama, also after it as Gemma 3 and
-GLM-4, only after it as OLMo 2: ``LayerNorms``) is the layer's business. Its MLP is the dense ``MLP`` or, in
-the layers ``spec.moe`` names, the ``SparseMoE`` block (layers/moe.py). Every module is built for this rank's
-shard (models/sharding.py): q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel.
+The token mixer is the layer's kind (``spec.mixer(i)``): self-attention, or a Gated DeltaNet layer
+(layers/gated_deltanet.py: Qwen3-Next's and Qwen3.5's ``linear_attention``), each in three pieces: its input
+projection (``mixer_in``), the mixing over the step's sequences, which alone reads the step's metadata and the
+layer's cache (``mixer``), and its output projection (``mixer_out``). A ``DecoderLayer`` owns its forward in two
+steps around the mixing, ``attn_in`` (the norms before it, the input projection) and ``attn_out`` (the output
+projection, the norms and residual adds around the MLP), so that where a family puts its norms (before each
+block as Llama, also after it as Gemma 3 and GLM-4, only after it as OLMo 2: ``LayerNorms``) is the layer's
+business. Its MLP is the dense ``MLP`` or, in the layers ``spec.moe`` names, the ``SparseMoE`` block
+(layers/moe.py). Every module is built for this rank's shard (models/sharding.py): q/k/v and gate/up
+column-parallel, o_proj and down_proj row-parallel; a Gated DeltaNet layer by key heads.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from torch import nn
 from nanostream.distributed.group import TensorParallel
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
+from nanostream.layers.cache_spec import CacheSpec
+from nanostream.layers.gated_deltanet import GatedDeltaNet
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
@@ -35,7 +41,8 @@ def _head_rows(heads: range, head_dim: int) -> range:
 
 
 class SelfAttention(nn.Module):
-    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads)."""
+    """Fused q/k/v projection -> the attention layer -> output projection (this rank's heads). With
+    ``spec.attn_output_gate`` each head's q rows are the checkpoint's [query D | gate D] (q_proj of 2 Hq D rows)."""
 
     def __init__(
         self,
@@ -47,9 +54,9 @@ class SelfAttention(nn.Module):
         tp: TensorParallel,
     ) -> None:
         super().__init__()
-        d = spec.head_dim
-        q_rows, kv_rows = _head_rows(shard.heads, d), _head_rows(shard.kv_heads, d)
-        q_total, kv_total = spec.num_heads * d, spec.num_kv_heads * d
+        d, q_d = spec.head_dim, 2 * spec.head_dim if spec.attn_output_gate else spec.head_dim
+        q_rows, kv_rows = _head_rows(shard.heads, q_d), _head_rows(shard.kv_heads, d)
+        q_total, kv_total = spec.num_heads * q_d, spec.num_kv_heads * d
         parts = {"q": (q_rows, q_total), "k": (kv_rows, kv_total), "v": (kv_rows, kv_total)}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias, kernels.linear)
         self.attn = Attention(
@@ -66,8 +73,9 @@ class SelfAttention(nn.Module):
             scale=spec.attention_scale,
             window=spec.window(layer_idx),
             sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,
+            output_gate=spec.attn_output_gate,
         )
-        self.o_proj = row_parallel_linear(q_rows, spec.hidden_size, spec.o_bias, tp, kernels.linear)
+        self.o_proj = row_parallel_linear(_head_rows(shard.heads, d), spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
 
 class MLP(nn.Module):
@@ -84,10 +92,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One attention block and one MLP block with the family's norms (``spec.norms``) around them.
+    """One token-mixing block (attention or Gated DeltaNet) and one MLP block with the family's norms
+    (``spec.norms``) around them.
 
-    ``forward(positions, x, residual, ctx)`` is ``attn_in``, the attention, then ``attn_out``; the model
-    calls the steps one by one where the prefill CUDA graphs cut at the attention."""
+    ``forward(positions, x, residual, ctx)`` is ``attn_in``, ``mixer``, then ``attn_out``; the model
+    calls the steps one by one where the prefill CUDA graphs cut at the mixing."""
 
     def __init__(
         self,
@@ -99,7 +108,18 @@ class DecoderLayer(nn.Module):
         tp: TensorParallel,
     ) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
+        self.kind = spec.mixer(layer_idx)
+        if self.kind == "gated_deltanet":
+            gdn = GatedDeltaNet(spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear)
+            self.linear_attn = gdn
+            pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
+        else:
+            attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
+            self.self_attn = attn
+            pieces = (attn.qkv_proj, attn.attn, attn.o_proj, attn.attn)
+        # the mixer's pieces by their place (not a second registration of its modules)
+        for place, piece in zip(("mixer_in", "mixer", "mixer_out", "_cache_owner"), pieces, strict=True):
+            object.__setattr__(self, place, piece)
         self.mlp = _mlp(spec, layer_idx, kernels, shard, tp)
         # Each norm under its checkpoint name, and by its place.
         places = ("attn_in", "attn_out", "mlp_in", "mlp_out")
@@ -124,16 +144,20 @@ class DecoderLayer(nn.Module):
 
     def feeds(self, layer: DecoderLayer) -> None:
         """``layer`` comes next: this one's down_proj may end in its attn_in norm (``Linear.into_norm``)."""
-        self._next = (layer._attn_in, layer.self_attn.qkv_proj) if layer._attn_in is not None else None
+        self._next = (layer._attn_in, layer.mixer_in) if layer._attn_in is not None else None
+
+    def cache_spec(self) -> CacheSpec:
+        """What the layer keeps between steps (this rank's): its mixer's ``PagedKV`` or ``RecurrentState``."""
+        return self._cache_owner.cache_spec()
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual = self.attn_in(x, residual)
-        return self.attn_out(self.self_attn.attn(positions, qkv, ctx), residual)
+        projected, residual = self.attn_in(x, residual)
+        return self.attn_out(self.mixer(positions, projected, ctx), residual)
 
     def attn_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its qkv projection, itself).
+        """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its mixer's input projection, itself).
         ``x`` may be a ``PendingNorm`` (the layer before's down_proj did the add and this norm, ``attn_out``)."""
         norm = self._attn_in
         if not isinstance(x, torch.Tensor):
@@ -145,20 +169,21 @@ class DecoderLayer(nn.Module):
             h, residual = norm(x), x
         else:
             h, residual = norm(x, residual)
-        return self.self_attn.qkv_proj(h), residual
+        return self.mixer_in(h), residual
 
     def attn_out(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
-        """The attention output [T, heads x head_dim] -> the layer output as (x, residual) (their sum); or, where
-        down_proj ended in the next layer's attn_in norm, (a ``PendingNorm``, the sum)."""
+        """The mixer's output before its output projection ([T, heads x head_dim] of attention) -> the layer output
+        as (x, residual) (their sum); or, where down_proj ended in the next layer's attn_in norm, (a
+        ``PendingNorm``, the sum)."""
         if self._plain:
-            x, residual = self.self_attn.o_proj.into_norm(attn, residual, self._mlp_in, self.mlp.gate_up_proj)
+            x, residual = self.mixer_out.into_norm(attn, residual, self._mlp_in, self.mlp.gate_up_proj)
             if isinstance(x, torch.Tensor):
                 x, residual = self._mlp_in(x, residual)
             x = self.mlp.gate_up_proj.activated(x, self.mlp.act)
             if self._next is None:
                 return self.mlp.down_proj(x), residual
             return self.mlp.down_proj.into_norm(x, residual, *self._next)
-        h = self.self_attn.o_proj(attn)
+        h = self.mixer_out(attn)
         if self.residual_multiplier is not None:
             h = h * self.residual_multiplier
         if self._attn_out is not None:

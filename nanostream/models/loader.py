@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import zlib
 from pathlib import Path
@@ -23,6 +24,7 @@ from nanostream.layers.linear import TensorSlice
 from nanostream.models.architectures import supported_list
 from nanostream.models.quantization import FP8_WEIGHT_DTYPE, Fp8Spec, fp8_spec
 
+log = logging.getLogger(__name__)
 # Checkpoint tensors that hold nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Older names of an FP8 KV cache's per-layer scales (AutoFP8's, vLLM's earlier ones) -> ``self_attn.k_scale`` etc.
@@ -125,16 +127,22 @@ def load_weights(model: nn.Module, path: Path) -> None:
         where = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
         scales = fp8.scales(where) if fp8 else {}
         consumed = set(scales.values())
-        prefix = getattr(spec, "checkpoint_prefix", "")  # a multimodal checkpoint's language model
+        unused: dict[str, int] = {}  # tensors of parts nanostream does not run, by prefix
         for name in where:
-            local = name.removeprefix(prefix)
+            if name in consumed:  # an FP8 weight's scale, read with it
+                continue
+            # a multimodal checkpoint's language model (None: its vision tower, its projector)
+            local = spec.name_in_model(name) if spec is not None else name
+            skip = next((p for p in getattr(spec, "unused_tensors", ()) if name.startswith(p)), None)
+            if skip is not None or local is None:
+                skip = skip or name.split(".", 1)[0] + "."
+                unused[skip] = unused.get(skip, 0) + 1
+                continue
             for old, new in _KV_SCALE_NAMES.items():
                 if local.endswith("." + old):
                     local = local.removesuffix(old) + new
             if (
-                name in consumed
-                or not name.startswith(prefix)  # its vision tower, its projector: not this model's
-                or name.endswith(_IGNORED_SUFFIXES)
+                name.endswith(_IGNORED_SUFFIXES)
                 or (tied and local == "lm_head.weight")
                 or (fp8 and fp8.is_unread(name))
             ):
@@ -162,6 +170,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
                         raise ModelLoadError(f"{name}: checkpoint shape {shape}, model {tuple(param.shape)}")
                     param.copy_(tensor[:])
             loaded.update(f"{target}:{s}" for s in (filled or [shard]))
+    for prefix, count in unused.items():
+        log.info("%s: %d tensors under %s* not loaded (a part nanostream does not run)", arch, count, prefix)
     if unexpected:
         raise ModelLoadError(
             f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "

@@ -85,14 +85,17 @@ def supported_architecture(hf_config: Any) -> str:
 
 def text_config(hf_config: Any) -> Any:
     """The config of the decoder nanostream runs: ``hf_config`` itself, or a multimodal checkpoint's text config
-    (``TEXT_MODELS``) as its text model's architecture, with the checkpoint's quantization_config."""
+    (``TEXT_MODELS``) as its text model's architecture, with the checkpoint's quantization_config and
+    tie_word_embeddings."""
     wrapper = supported_architecture(hf_config)
     if wrapper not in TEXT_MODELS:
         return hf_config
     if getattr(hf_config, "text_config", None) is None:
         raise MissingConfigField(f"{wrapper}'s config.json has no text_config, the language model's settings")
     text = copy.deepcopy(hf_config.text_config)
-    text.architectures = [TEXT_MODELS[wrapper]]
+    text.architectures = [TEXT_MODELS[wrapper].architecture]
+    if getattr(hf_config, "tie_word_embeddings", None) is not None:  # transformers ties by the wrapper's config
+        text.tie_word_embeddings = hf_config.tie_word_embeddings
     quant = getattr(hf_config, "quantization_config", None)
     if quant is not None:
         text.quantization_config = quant

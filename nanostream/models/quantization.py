@@ -148,7 +148,6 @@ def keep_fp8_weights(model: torch.nn.Module, spec: Fp8Spec, *, gpu_kernels: bool
     shard, its part of a fused projection) do not start and end on the scale blocks' edges (nor, for a q/k
     projection whose heads' rows are reordered for the rotary tables, on heads' edges), or, with
     ``gpu_kernels``, where the blocks are not a width the GEMM takes (a power of two from 16 along K)."""
-    prefix = getattr(model.spec, "checkpoint_prefix", "")
     parts = {(module, shard): name for name, (module, shard) in model.checkpoint_modules.items() if shard}
     block = spec.block
     if gpu_kernels and block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
@@ -160,7 +159,7 @@ def keep_fp8_weights(model: torch.nn.Module, spec: Fp8Spec, *, gpu_kernels: bool
             continue
         where, _, leaf = path.rpartition(".")
         names = [n for (m, _), n in parts.items() if m == leaf] if hasattr(layer, "parts") else [leaf]
-        if any(spec.leaves_unquantized(f"{prefix}{where}.{n}") for n in names or [leaf]):
+        if any(spec.leaves_unquantized(model.spec.name_in_checkpoint(f"{where}.{n}")) for n in names or [leaf]):
             continue
         if leaf == "qkv_proj" and block is not None and rotated_in_place and block[0] % model.spec.head_dim:
             continue  # after_loading permutes each head's rows: a block must hold whole heads

@@ -8,6 +8,9 @@ projections are whole on every rank.
 
 In a mixture-of-experts layer every rank holds every expert, ``[r * I/n, (r+1) * I/n)`` of each one's
 intermediate dimension (and of the shared expert's); the router is whole on every rank.
+
+A Gated DeltaNet layer splits by key heads: rank ``r`` holds key heads ``[r * Hk/n, (r+1) * Hk/n)``, the value
+heads that read them, their conv channels and states, and their columns of out_proj (row parallel, one all-reduce).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class DecoderShard:
     vocab: range  # rows of the embedding and the LM head
     expert_intermediate: range = range(0)  # of every expert (MoE layers)
     shared_intermediate: range = range(0)  # of Qwen2-MoE's shared expert
+    linear_k_heads: range = range(0)  # the Gated DeltaNet layers' key heads (and the value heads that read them)
 
     @property
     def num_heads(self) -> int:
@@ -66,6 +70,12 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
         )
     if spec.vocab_size % size:
         problems.append(f"vocab_size ({spec.vocab_size}) is not divisible by it")
+    gdn = spec.gated_deltanet
+    if gdn is not None and gdn.num_k_heads % size:
+        problems.append(
+            f"linear_num_key_heads ({gdn.num_k_heads}) is not divisible by it (a Gated DeltaNet layer splits by key "
+            "heads)"
+        )
     if spec.qk_norm_whole and size > 1:
         problems.append("its QK-norms span every head (OLMo 2), and nanostream does not split them over ranks")
     return problems
@@ -98,4 +108,5 @@ def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
         vocab=_split(spec.vocab_size, rank, size),
         expert_intermediate=_split(spec.moe.intermediate_size, rank, size) if spec.moe else range(0),
         shared_intermediate=_split(spec.moe.shared_expert_intermediate_size, rank, size) if spec.moe else range(0),
+        linear_k_heads=_split(spec.gated_deltanet.num_k_heads, rank, size) if spec.gated_deltanet else range(0),
     )

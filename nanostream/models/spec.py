@@ -1,15 +1,21 @@
 """``DecoderSpec``: the shape of the one decoder, read from a Hugging Face config (models/config_reader.py), and
 ``LayerNorms``, where a family's norms sit in a layer. Plain values: the decoder (models/decoder.py), its sharding
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
+
+Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py) or Gated DeltaNet
+(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5), each declaring its cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanostream.layers.delta_rule import GatedDeltaNetSpec
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.quantization import Fp8Spec
+
+TOKEN_MIXERS = ("attention", "gated_deltanet")
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,37 @@ class DecoderSpec:
     rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
     quantization: Fp8Spec | None = None
     """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
-    checkpoint_prefix: str = ""
-    """Where a multimodal checkpoint keeps this decoder's tensors (``language_model.``); the rest is not loaded."""
+    token_mixers: tuple[str, ...] = ()
+    """Each layer's token mixer, one of ``TOKEN_MIXERS``; empty: attention in every layer."""
+    gated_deltanet: GatedDeltaNetSpec | None = None  # the Gated DeltaNet layers' shape
+    attn_output_gate: bool = False  # q_proj gives each head [query D | gate D]; the output times sigmoid(gate)
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+    """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as
+    ``("model.language_model.", "model.")``; a tensor under none of them is not loaded. Empty: the names as they are."""
+    unused_tensors: tuple[str, ...] = ()
+    """Prefixes of checkpoint tensors nanostream does not run (multi-token prediction's ``mtp.``, a vision tower):
+    not loaded, one log line each."""
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def mixer(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer, one of ``TOKEN_MIXERS``."""
+        return self.token_mixers[layer] if self.token_mixers else "attention"
+
+    def name_in_model(self, checkpoint_name: str) -> str | None:
+        """The name in the model of a checkpoint tensor; None where it is not this decoder's (a multimodal
+        checkpoint's vision tower)."""
+        if not self.checkpoint_prefixes:
+            return checkpoint_name
+        for theirs, ours in self.checkpoint_prefixes:
+            if checkpoint_name.startswith(theirs):
+                return ours + checkpoint_name.removeprefix(theirs)
+        return None
+
+    def name_in_checkpoint(self, model_name: str) -> str:
+        """The checkpoint's name of a tensor or module of the model (``name_in_model``'s inverse)."""
+        for theirs, ours in self.checkpoint_prefixes:
+            if model_name.startswith(ours):
+                return theirs + model_name.removeprefix(ours)
+        return model_name

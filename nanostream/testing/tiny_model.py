@@ -30,6 +30,10 @@ TINY_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Glm4ForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
 # the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
@@ -50,7 +54,11 @@ _TINY_DENSE: dict[str, dict] = {
     "SmolLM3ForCausalLM": dict(no_rope_layers=[1, 0, 1], num_hidden_layers=3),
     "Glm4ForCausalLM": dict(head_dim=16, attention_bias=True),  # partial_rotary_factor 0.5, interleaved pairs
 }
-_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # the text model's config, not the multimodal one
+_CONFIG_CLASSES = {  # the text model's config, not the multimodal one
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+}
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
 # Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert.
 _TINY_MOE: dict[str, dict] = {
@@ -88,6 +96,30 @@ _TINY_MOE: dict[str, dict] = {
         },
     ),
 }
+# The hybrid families: Gated DeltaNet layers (2 key heads, each read by 2 value heads) beside gated attention, a
+# full-attention layer in the middle and one last (Qwen3-Next, as published), and DeltaNet layers on both sides of it;
+# Qwen3-Next with a dense layer among its MoE ones. Their (1 + w) norms are drawn near 0, the DeltaNet's decay slow.
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
+_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_LINEAR, _FULL = "linear_attention", "full_attention"
+_TINY_HYBRID: dict[str, dict] = {
+    "Qwen3NextForCausalLM": dict(
+        **_GDN, **_EXPERTS, head_dim=16, num_hidden_layers=4, mlp_only_layers=[2], norm_topk_prob=True,
+        layer_types=[_LINEAR, _FULL, _LINEAR, _FULL],
+    ),
+    "Qwen3_5ForCausalLM": dict(
+        **_GDN, head_dim=16, num_hidden_layers=4, layer_types=[_LINEAR, _FULL, _LINEAR, _LINEAR]
+    ),
+    "Qwen3_5MoeForCausalLM": dict(
+        **_GDN, **_EXPERTS, head_dim=16, num_hidden_layers=4, layer_types=[_LINEAR, _LINEAR, _FULL, _LINEAR]
+    ),
+}  # fmt: skip
+_CENTRED_NORMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config")}
+"""A multimodal checkpoint's tiny model: its language model's architecture, its config class."""
+_TINY_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
+)
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
@@ -115,6 +147,10 @@ TINY_PRESETS: dict[str, dict] = {
     "smollm3": dict(architecture="SmolLM3ForCausalLM", seed=14),
     "glm4": dict(architecture="Glm4ForCausalLM", seed=15, tie_word_embeddings=False),
     "gpt_oss": dict(architecture="GptOssForCausalLM", seed=18, tie_word_embeddings=False),
+    "qwen3_next": dict(architecture="Qwen3NextForCausalLM", seed=19, tie_word_embeddings=False),
+    "qwen3_5": dict(architecture="Qwen3_5ForCausalLM", seed=20),  # tied, as the small Qwen3.5 models
+    "qwen3_5_moe": dict(architecture="Qwen3_5MoeForCausalLM", seed=21, tie_word_embeddings=False),
+    "qwen3_5_vl": dict(architecture="Qwen3_5ForConditionalGeneration", seed=22),  # with a vision tower
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
@@ -126,13 +162,22 @@ def _classes(architecture: str):
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     prefix = architecture.removesuffix("ForCausalLM")  # Qwen3ForCausalLM -> transformers.Qwen3Config
-    config = _CONFIG_CLASSES.get(architecture, f"{prefix}Config")
+    config = _MULTIMODAL[architecture][1] if architecture in _MULTIMODAL else f"{prefix}Config"
+    config = _CONFIG_CLASSES.get(architecture, config)
     return getattr(transformers, config), getattr(transformers, architecture)
 
 
 def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     """The transformers config of ``make_tiny_model(DIR, architecture=..., **config_overrides)``, in memory."""
     config_cls, _ = _classes(architecture)
+    if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
+        text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
+        vision = {**_TINY_VISION, "out_hidden_size": text.hidden_size}
+        config = config_cls(
+            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=text.tie_word_embeddings
+        )
+        config.architectures = [architecture]
+        return config
     tokenizer = build_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     kwargs = dict(
@@ -154,6 +199,9 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
         kwargs["sliding_window"] = None
     kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(_TINY_DENSE.get(architecture, {}))
+    kwargs.update(_TINY_HYBRID.get(architecture, {}))
+    if architecture == "Qwen3_5MoeForCausalLM":
+        kwargs.pop("intermediate_size")  # every layer is MoE: its configs have none
     kwargs.update(config_overrides)
     config = config_cls(**kwargs)
     config.architectures = [architecture]
@@ -206,9 +254,13 @@ def make_tiny_model(
         torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        centred = architecture in _CENTRED_NORMS or architecture in _MULTIMODAL  # (1 + w) norms
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+                one = 0.0 if centred and "linear_attn" not in name else 1.0  # the DeltaNet's gated norm: plain w
+                param.copy_(one + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("A_log", "dt_bias")):  # decay exp(-exp(A_log) softplus(a + dt_bias)) ~ 0.9 a token
+                param.copy_((-2.0 if name.endswith("A_log") else -1.0) + 0.5 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(init_std * torch.randn(param.shape, generator=gen))
     path.mkdir(parents=True, exist_ok=True)
