@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 
 from nanostream import discovery
+from nanostream.client.launch import CACHE_LINE
 from nanostream.client.reasoning import REASONING_PARSERS
 from nanostream.config import EngineConfig, ServerConfig
 from nanostream.errors import EngineDeadError, NanostreamError, RequestFailedError
@@ -89,6 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(address: str) -> None:
         if server_config.register:  # found by local clients given no address, until this process stops
             record.append(discovery.register(address, engine_config.model))  # before "ready": then it is found
+        print(f"{CACHE_LINE}{server.engine.runner.describe_cache()}", flush=True)  # before: `serve --*-port` relays it
         print(f"nanostream engine ready at {address}", flush=True)
         print(f"  clients: AsyncClient({address!r}) or NANOSTREAM_ADDRESS={address}", flush=True)
         if record:

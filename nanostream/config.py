@@ -46,6 +46,14 @@ class EngineConfig:
     """Exact number of KV blocks; overrides both memory settings."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes that earlier requests computed."""
+    state_snapshot_interval: int | None = None
+    """Models with recurrent layers (Qwen3.5's Gated DeltaNet): the prefix cache keeps a copy of a sequence's
+    state every this many tokens (a multiple of kvcache_block_size; default: 4 blocks), at its prompt's last full
+    block and at the last full block it completes while decoding, so that the next turn of a conversation reuses
+    its whole history; a cached prefix is reused up to its last copy."""
+    max_state_snapshots: int | None = None
+    """Models with recurrent layers: the most state copies the prefix cache keeps (least recently used out).
+    Default: max_num_seqs, fewer on CUDA where a quarter of the memory left after the live states holds less."""
     dtype: str = "auto"
     """The weights' and activations' dtype; auto: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
@@ -86,9 +94,21 @@ class EngineConfig:
             raise ValueError(f"model must be a model directory or hub id, got {self.model!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             positive(name)
-        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kvcache_blocks"):
+        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kvcache_blocks", "state_snapshot_interval"):
             if getattr(self, name) is not None:
                 positive(name)
+        if self.max_state_snapshots is not None and (
+            isinstance(self.max_state_snapshots, bool)
+            or not isinstance(self.max_state_snapshots, int)
+            or self.max_state_snapshots < 0
+        ):
+            raise ValueError(f"max_state_snapshots must be a non-negative integer, got {self.max_state_snapshots!r}")
+        interval = self.state_snapshot_interval
+        if interval is not None and interval % self.kvcache_block_size:
+            raise ValueError(
+                f"state_snapshot_interval ({interval}) must be a multiple of kvcache_block_size "
+                f"({self.kvcache_block_size}): a state copy sits at a cached block's end"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
@@ -150,7 +170,10 @@ class EngineConfig:
                 f"({max_position_embeddings}); give at most {max_position_embeddings}, or leave it unset"
             )
         max_model_len = self.max_model_len or max_position_embeddings
-        return dataclasses.replace(self, device=device, dtype=dtype, max_model_len=max_model_len)
+        interval = self.state_snapshot_interval or 4 * self.kvcache_block_size
+        return dataclasses.replace(
+            self, device=device, dtype=dtype, max_model_len=max_model_len, state_snapshot_interval=interval
+        )
 
 
 @dataclass(frozen=True)

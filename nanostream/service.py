@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from nanostream.client.launch import EngineProcess
+from nanostream.client.launch import CACHE_LINE, EngineProcess
 from nanostream.config import EngineConfig
 
 _POLL_S = 0.2
@@ -65,6 +65,9 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
         except (RuntimeError, TimeoutError) as exc:  # it said why; its last lines are in the message
             print(f"nanostream serve: {exc}", file=sys.stderr)
             return 1
+        for line in list(engine.log):  # what its pools hold, as the engine said before it was ready
+            if line.startswith(CACHE_LINE):
+                print(line, flush=True)
         print(f"nanostream engine ready at {engine.address}", flush=True)
         env = dict(os.environ, NANOSTREAM_ADDRESS=engine.address)
         if options.get("auth_token"):

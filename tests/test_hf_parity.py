@@ -129,7 +129,7 @@ def test_prefill_logits_match_hf(any_model_dir, hf_model_cache):
     runner = llm.engine.runner
     seq = Sequence("p", prompt, GREEDY, max_tokens=1, sampling_seed=0, stop_token_ids=frozenset())
     seq.block_table = list(range(19))
-    input_ids, positions, meta, _ = runner.prepare([ScheduledChunk(seq, len(prompt))])
+    input_ids, positions, meta, *_ = runner.prepare([ScheduledChunk(seq, len(prompt))])
     with torch.inference_mode():
         hidden = runner.model(input_ids, positions, ForwardContext(meta, runner.kv_caches))
         ours = runner.model.compute_logits(hidden)

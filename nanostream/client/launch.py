@@ -12,6 +12,8 @@ from collections import deque
 from typing import Any
 
 READY = "nanostream engine ready at "
+CACHE_LINE = "  cache: "
+"""The engine's line before ``READY``: what its KV and state pools hold."""
 
 
 class EngineProcess:

@@ -8,6 +8,10 @@ a hash chained over all tokens up to and including it (xxhash of the previous bl
 block's token ids). A new sequence reuses the leading blocks whose hash *and* token ids match.
 A freed block keeps its hash and contents until the block is handed out again; free blocks are
 handed out least-recently-freed first, so the most recently used prefixes survive longest.
+
+A model with recurrent layers (``states``: engine/state_slots.py) also gives each running sequence a live state
+slot, and a cached prefix is reused only up to its last block that holds a snapshot of the state there: a
+block's snapshot goes with it when it is handed out again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from array import array
 import xxhash
 
 from nanostream.engine.sequence import Sequence
+from nanostream.engine.state_slots import ZERO, ChunkState, StateSlots
 
 
 def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
@@ -26,21 +31,33 @@ def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "ref_count", "snapshot", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.snapshot: int | None = None  # the state slot holding the recurrent layers' state at its end
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        states: StateSlots | None = None,
+        snapshot_interval: int = 0,
+    ) -> None:
+        """``states``: the state slots of a model with recurrent layers; ``snapshot_interval``: the tokens between
+        its snapshots (a multiple of ``block_size``)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.states = states
+        self.snapshot_interval = snapshot_interval or 4 * block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         # Free blocks as ordered sets (dicts) with O(1) removal. Blocks holding nothing reusable are
@@ -75,6 +92,9 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
             hits.append(block_id)
+        if self.states is not None:  # the state is restored from the last hit's snapshot: none, no hit there
+            while hits and self.blocks[hits[-1]].snapshot is None:
+                hits.pop()
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
@@ -103,6 +123,11 @@ class BlockManager:
         seq.num_computed_tokens = computed
         for _ in range(fresh):
             seq.block_table.append(self._take_free_block())
+        if self.states is not None and seq.state_slot is None:
+            seq.state_slot = self.states.take_live()
+            if prefix_hits:
+                seq.state_restore = self.blocks[prefix_hits[-1]].snapshot
+                self.states.touch(seq.state_restore)
         return True
 
     def _take_free_block(self) -> int:
@@ -113,6 +138,9 @@ class BlockManager:
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]
         block.block_hash, block.token_ids, block.ref_count = None, (), 1
+        if block.snapshot is not None:
+            self.states.release(block.snapshot)
+            block.snapshot = None
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -128,6 +156,17 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self.hash_to_block:
                 block.block_hash, block.token_ids = block_hash, tuple(tokens)
                 self.hash_to_block[block_hash] = block.block_id
+            slot = seq.pending_snapshots.pop((i + 1) * self.block_size, None)
+            if slot is not None:  # the state at this block's end: kept with the block that holds its hash
+                self._keep_snapshot(slot, self.hash_to_block.get(block_hash))
+
+    def _keep_snapshot(self, slot: int, block_id: int | None) -> None:
+        block = None if block_id is None else self.blocks[block_id]
+        if block is None or block.snapshot is not None:  # not cached, or it has one already
+            self.states.release(slot)
+        else:
+            block.snapshot = slot
+            self.states.hold(slot, block.block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its computed state is forgotten."""
@@ -141,3 +180,65 @@ class BlockManager:
         seq.block_table = []  # a new list, not cleared: a tensor-parallel mirror of the old one sees it replaced
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
+        if seq.state_slot is not None:
+            self.states.release_live(seq.state_slot)
+            for slot in seq.pending_snapshots.values():  # taken for a step that will not be cached now
+                self.states.release(slot)
+            seq.state_slot, seq.state_restore, seq.tail_snapshot = None, None, None
+            seq.pending_snapshots.clear()
+
+    def plan_state(self, seq: Sequence, start: int, num_new_tokens: int) -> ChunkState | None:
+        """What the chunk of ``seq``'s tokens [start, start + num_new_tokens) does with its state (after
+        ``allocate``): where it starts from, and the snapshots it takes for the prefix cache; None for a model
+        without recurrent layers."""
+        if self.states is None:
+            return None
+        init = ZERO if start == 0 else seq.state_restore
+        seq.state_restore = None
+        end = start + num_new_tokens
+        snapshots = []
+        if self.enable_prefix_caching:
+            for boundary, tail in self._boundaries(seq, start, end):
+                slot = self._take_snapshot(seq, boundary, tail)
+                if slot is not None:
+                    snapshots.append((boundary - start, slot))
+        return ChunkState(seq.state_slot, init, tuple(snapshots))
+
+    def _boundaries(self, seq: Sequence, start: int, end: int) -> list[tuple[int, bool]]:
+        """The block ends in (start, end] whose state the prefix cache keeps, each with whether it is a decode
+        tail (one per sequence: the next replaces it)."""
+        bs, interval = self.block_size, self.snapshot_interval
+        ends = set(range((start // interval + 1) * interval, end + 1, interval))
+        prompt_end = seq.num_prompt_tokens // bs * bs  # the prompt's last full block
+        if start < prompt_end <= end:
+            ends.add(prompt_end)
+        out = [(b, False) for b in sorted(ends)]
+        if end > seq.num_prompt_tokens and end % bs == 0 and end not in ends:
+            out.append((end, True))
+        return out
+
+    def _take_snapshot(self, seq: Sequence, boundary: int, tail: bool) -> int | None:
+        taken = self.states.take_snapshot(lambda b: self.blocks[b].ref_count > 0)
+        if taken is None:
+            return None
+        slot, evicted = taken
+        if evicted is not None:
+            self.blocks[evicted].snapshot = None
+        if boundary > seq.num_prompt_tokens and seq.tail_snapshot is not None:  # its decode tail: superseded
+            self._drop_snapshot(seq, *seq.tail_snapshot)
+            seq.tail_snapshot = None
+        if tail:
+            seq.tail_snapshot = (boundary, slot)
+        seq.pending_snapshots[boundary] = slot
+        return slot
+
+    def _drop_snapshot(self, seq: Sequence, boundary: int, slot: int) -> None:
+        if seq.pending_snapshots.get(boundary) == slot:  # its step has not been cached yet
+            del seq.pending_snapshots[boundary]
+            self.states.release(slot)
+            return
+        index = boundary // self.block_size - 1
+        block = self.blocks[seq.block_table[index]] if index < len(seq.block_table) else None
+        if block is not None and block.snapshot == slot:  # still kept with the sequence's own block
+            block.snapshot = None
+            self.states.release(slot)

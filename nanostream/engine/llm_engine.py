@@ -26,6 +26,7 @@ from nanostream.engine.grammar import GrammarCompiler, GrammarMasks, GrammarWait
 from nanostream.engine.runner.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import Sequence
+from nanostream.engine.state_slots import StateSlots
 from nanostream.engine.stats import StepCounters
 from nanostream.engine.tp.workers import WorkerGroup, agreed_config
 from nanostream.errors import EngineDeadError, InvalidRequestError
@@ -82,8 +83,14 @@ class LLMEngine:
                 raise error from exc
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = read_eos_token_ids(self.model_path, text)
+        # recurrent layers: a live state slot per running sequence, and snapshots for the prefix cache
+        states = StateSlots.of_model(config, self.runner.num_state_snapshots, self.runner.state_slot_bytes)
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks,
+            config.kvcache_block_size,
+            config.enable_prefix_caching,
+            states,
+            config.state_snapshot_interval,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -110,6 +117,7 @@ class LLMEngine:
             str(self.runner.kv_dtype).removeprefix("torch."),
             ", batch-invariant" if config.batch_invariant else "",
         )
+
         # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
         # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms
         # on an H200); a program of one's own may do the same after building its LLM.

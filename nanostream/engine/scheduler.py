@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.sequence import PENDING, Sequence, SequenceStatus
+from nanostream.engine.state_slots import ChunkState
 
 
 @dataclass
 class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int  # tokens computed for seq this step, starting at seq.num_computed_tokens
+    state: ChunkState | None = None  # a model with recurrent layers: its state's start and snapshots
     start: int = field(init=False)  # seq.num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the chunk reaches the sequence's end: the step samples a token
 
@@ -114,7 +116,7 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                scheduled.append(ScheduledChunk(seq, n))
+                scheduled.append(self._chunk(seq, n))
                 budget -= n
         # 3. admissions.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -132,9 +134,13 @@ class Scheduler:
                 self.num_prefix_hits += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledChunk(seq, n))
+            scheduled.append(self._chunk(seq, n))
             budget -= n
         return scheduled
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        """The next ``n`` tokens of ``seq`` (its blocks allocated), with its state's plan where the model has one."""
+        return ScheduledChunk(seq, n, self.block_manager.plan_state(seq, seq.num_computed_tokens, n))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

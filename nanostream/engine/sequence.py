@@ -68,6 +68,12 @@ class Sequence:
         self.error: str | None = None  # why, when it finished with "error"
         self.prompt_logprobs: list[dict[int, float] | None] = []  # per prompt position computed so far
         self.sampling_row: tuple | None = None  # its params as one step's sampling reads them (sampling_batch.py)
+        # A model with recurrent layers (engine/state_slots.py): its live state slot, a snapshot to start from
+        # (a prefix hit), the snapshots taken for blocks not yet cached (block end -> slot), its decode tail's
+        self.state_slot: int | None = None
+        self.state_restore: int | None = None
+        self.pending_snapshots: dict[int, int] = {}
+        self.tail_snapshot: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return (

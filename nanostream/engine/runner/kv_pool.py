@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,35 +55,71 @@ def allocate_kv_pool(
 ) -> list[KVCache]:
     """One zeroed pool; a ``KVCache`` of views [num_blocks, block_size, Hkv, D] per layer (Hkv: this rank's)."""
     hkv = num_kv_heads or spec.num_kv_heads
-    pool = torch.zeros(2, spec.num_layers, num_blocks, block_size, hkv, spec.head_dim, dtype=dtype, device=device)
+    return kv_pool_views(spec.num_layers, num_blocks, block_size, hkv, spec.head_dim, dtype, device)
+
+
+def kv_pool_views(
+    num_layers: int, num_blocks: int, block_size: int, hkv: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> list[KVCache]:
+    """One zeroed pool of ``num_layers`` layers' K and V; a ``KVCache`` of views [num_blocks, block_size, Hkv, D]
+    per layer."""
+    pool = torch.zeros(2, num_layers, num_blocks, block_size, hkv, head_dim, dtype=dtype, device=device)
     v = pool[1]
     if dtype == FP8_KV_DTYPE:  # the same bytes, [num_layers, num_blocks, Hkv, D, block_size] underneath
-        v = v.view(spec.num_layers, num_blocks, hkv, spec.head_dim, block_size).permute(0, 1, 4, 2, 3)
-    return [KVCache(pool[0, i], v[i]) for i in range(spec.num_layers)]
+        v = v.view(num_layers, num_blocks, hkv, head_dim, block_size).permute(0, 1, 4, 2, 3)
+    return [KVCache(pool[0, i], v[i]) for i in range(num_layers)]
 
 
 def plan_num_kv_blocks(
     config: EngineConfig, block_bytes: int, device: torch.device, cuda_budget: Callable[[], int]
 ) -> int:
     """The pool's size in blocks. ``cuda_budget()`` measures the bytes CUDA leaves (``measure_cuda_kv_budget``)."""
+    return plan_cache(config, block_bytes, 0, device, cuda_budget).num_blocks
+
+
+class CachePlan(NamedTuple):
+    num_blocks: int  # KV blocks
+    num_snapshots: int  # state slots for the prefix cache, beside max_num_seqs live ones (recurrent layers)
+
+
+SNAPSHOT_SHARE = 0.25
+"""The most of a measured or given budget (after the live states) that state snapshots take by default."""
+
+
+def plan_cache(
+    config: EngineConfig, block_bytes: int, slot_bytes: int, device: torch.device, cuda_budget: Callable[[], int]
+) -> CachePlan:
+    """KV blocks of ``block_bytes`` and, for a model with recurrent layers, state slots of ``slot_bytes`` (one
+    sequence's state of every such layer): a live one per running sequence and ``num_snapshots`` for the prefix
+    cache. In order of precedence: ``num_kvcache_blocks`` (the states beside them); ``kv_cache_memory_bytes`` or,
+    on CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured), shared: live states first,
+    then snapshots (``max_state_snapshots``, else max_num_seqs within a quarter of what is left), blocks from the
+    rest; on CPU, KV blocks of at most 1 GiB and never more than the engine can fill, the states beside them."""
     cfg = config
+    live = cfg.max_num_seqs * slot_bytes
+    snapshots = cfg.max_state_snapshots if cfg.max_state_snapshots is not None else cfg.max_num_seqs
+    if not slot_bytes:
+        snapshots = 0
     if cfg.num_kvcache_blocks is not None:
-        return cfg.num_kvcache_blocks
-    if cfg.kv_cache_memory_bytes is not None:
-        budget = cfg.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        budget = cuda_budget()
+        return CachePlan(cfg.num_kvcache_blocks, snapshots)
+    if cfg.kv_cache_memory_bytes is not None or device.type == "cuda":
+        budget = cfg.kv_cache_memory_bytes if cfg.kv_cache_memory_bytes is not None else cuda_budget()
+        left = budget - live
+        if slot_bytes and cfg.max_state_snapshots is None:
+            snapshots = min(snapshots, max(0, int(left * SNAPSHOT_SHARE) // slot_bytes))
+        budget = left - snapshots * slot_bytes
     else:
         # CPU memory is shared with everything else: never more than the engine can ever fill.
         most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size)
         budget = min(CPU_DEFAULT_KV_BYTES, most * block_bytes)
     num_blocks = budget // block_bytes
     if num_blocks < 1:
+        states = f" after {cfg.max_num_seqs} sequences' states of {slot_bytes} bytes" if slot_bytes else ""
         raise ModelLoadError(
-            f"no room for a single KV block of {block_bytes} bytes (budget {budget} bytes); "
-            "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower kvcache_block_size"
+            f"no room for a single KV block of {block_bytes} bytes (budget {budget} bytes{states}); "
+            "raise gpu_memory_utilization or kv_cache_memory_bytes, or lower kvcache_block_size or max_num_seqs"
         )
-    return num_blocks
+    return CachePlan(num_blocks, snapshots)
 
 
 @dataclass(frozen=True)
@@ -93,6 +130,7 @@ class WarmupChunk:
     start: int
     num_new_tokens: int
     samples: bool = True
+    state: None = None  # no state of its own: a model's recurrent layers run it in slot 0 (``pack_states``)
 
 
 def _warmup_chunk(i: int, num_tokens: int, blocks_per_seq: int, num_computed: int = 0) -> WarmupChunk:

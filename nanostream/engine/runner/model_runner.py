@@ -18,72 +18,35 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanostream.config import EngineConfig
 from nanostream.distributed.group import SINGLE, TensorParallel
+from nanostream.engine.runner.cache_pool import CacheLayout, allocate_caches, init_states
 from nanostream.engine.runner.decode_graphs import DecodeGraphs
-from nanostream.engine.runner.kv_pool import (
-    allocate_kv_pool,
-    kv_block_bytes,
-    kv_dtype,
-    measure_cuda_kv_budget,
-    plan_num_kv_blocks,
-    short_chunk_steps,
-    worst_step,
-)
+from nanostream.engine.runner.in_flight import InFlight, StepControl, copy_to_host
+from nanostream.engine.runner.kv_pool import kv_dtype, measure_cuda_kv_budget, plan_cache, short_chunk_steps, worst_step
 from nanostream.engine.runner.prefill_graphs import PrefillGraphs
-from nanostream.engine.runner.prompt_logprobs import PromptLogprobs, launch_prompt_logprobs
-from nanostream.engine.runner.sampler import SamplerOutput, SamplingBatch, sample
+from nanostream.engine.runner.prompt_logprobs import launch_prompt_logprobs
+from nanostream.engine.runner.sampler import SamplerOutput, sample
 from nanostream.engine.runner.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
-from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, pack_step, to_device
-from nanostream.engine.sequence import Sequence
+from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, pack_states, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
+from nanostream.layers.cache_spec import StateCache, StateMetadata
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
-    from nanostream.errors import EngineDeadError
+    pass
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class InFlight:
-    """A launched step whose samples are still on the device."""
-
-    seqs: list[Sequence]  # the sequences that sample, in row order
-    rows: dict[str, int]  # request id -> row of ``out``
-    out: SamplerOutput | None  # on the device (the next step reads pending tokens from it); None: no samples
-    host: SamplerOutput | None = None  # the same, being copied into pinned host memory
-    copied: torch.cuda.Event | None = None  # recorded after those copies (CUDA only)
-    # Launched with sampling deferred (``sample()`` runs it): the logits [B, V] and their sampling batch.
-    logits: torch.Tensor | None = None
-    batch: SamplingBatch | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
-
-
-class StepControl(Protocol):
-    """What rank 0's runner asks of the other ranks (engine/tp/workers.py's ``WorkerGroup``): ``step`` publishes
-    a step that this rank runs inside (a failure: ``EngineDeadError``); ``dead``, the engine's death of ``exc``."""
-
-    def step(self, chunks: list[Chunk]) -> AbstractContextManager[None]: ...
-    def dead(self, exc: BaseException) -> EngineDeadError: ...
-
-
-def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 class ModelRunner:
@@ -126,18 +89,25 @@ class ModelRunner:
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
         )  # fmt: skip
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
+        self.layout = CacheLayout(self.model.cache_specs())  # which layers page KV, which keep a state
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
         self.prefill_graphs: PrefillGraphs | None = None
-        self.num_kv_blocks = plan_num_kv_blocks(config, self.kv_block_bytes, self.device, self._cuda_kv_budget)
+        self.num_state_snapshots = 0  # (the worst step's pool, if it runs, holds the live slots alone)
+        self.num_kv_blocks, self.num_state_snapshots = plan_cache(
+            config, self.kv_block_bytes, self.state_slot_bytes, self.device, self._cuda_kv_budget
+        )
         if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
             self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
-        if tp.size > 1:  # every rank's pool has as many blocks: the scheduler's block ids index them all
+        if tp.size > 1:  # every rank's pool has as many blocks and slots: the scheduler's ids index them all
             self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
+            self.num_state_snapshots = tp.agree_min(self.num_state_snapshots)
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         if cuda:  # every rank runs them alike: no control message
             for chunks in short_chunk_steps(config, self.num_kv_blocks):
                 self.collect(self.launch_local(chunks))
-        if cuda and not config.enforce_eager and self.backend.supports_cuda_graphs:
+        # A model with recurrent layers runs eagerly: its state slots are not graph inputs (yet)
+        graphs = cuda and not config.enforce_eager and not self.layout.has_state
+        if graphs and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self._forward,
                 max_num_seqs=config.max_num_seqs,
@@ -145,7 +115,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
             )
-        if cuda and not config.enforce_eager and tp.size == 1:
+        if graphs and tp.size == 1:
             self.prefill_graphs = self._capture_prefill_graphs()
         if cuda:
             self._warm_logits()
@@ -176,10 +146,26 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.spec, self.block_size, self.kv_dtype, self.num_kv_heads)
+        return self.layout.kv_block_bytes(self.block_size, self.kv_dtype)
 
-    def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
-        return allocate_kv_pool(self.spec, num_blocks, self.block_size, self.kv_dtype, self.device, self.num_kv_heads)
+    @property
+    def state_slot_bytes(self) -> int:
+        """One sequence's state in every recurrent layer (0: the model has none)."""
+        return self.layout.slot_bytes(self.dtype)
+
+    def describe_cache(self) -> str:
+        """What its pools hold, in a line (``nanostream serve`` prints it)."""
+        return self.layout.describe(
+            self.num_kv_blocks, self.block_size, self.config.max_num_seqs, self.num_state_snapshots,
+            self.state_slot_bytes,
+        )  # fmt: skip
+
+    def _allocate_kv(self, num_blocks: int) -> list[KVCache | StateCache]:
+        slots = self.config.max_num_seqs + self.num_state_snapshots if self.layout.has_state else 0
+        return allocate_caches(
+            self.layout, num_blocks=num_blocks, block_size=self.block_size, kv_dtype=self.kv_dtype,
+            num_slots=slots, model_dtype=self.dtype, device=self.device,
+        )  # fmt: skip
 
     def _cuda_kv_budget(self) -> int:
         return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, self._run_worst_step)
@@ -195,12 +181,20 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, states: StateMetadata = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, states))
 
     def prepare(self, chunks: list[Chunk], prev: InFlight | None = None) -> StepInputs:
-        """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples."""
-        return pack_step(chunks, self.block_size, self.device, prev, self.uploads)
+        """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples. With
+        recurrent layers, their slots too, and the slots zeroed or restored for the step (done here)."""
+        inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads)
+        if not self.layout.has_state:
+            return inputs
+        states = pack_states(chunks, self.device, self.uploads)
+        init_states(self.kv_caches, states.zero, states.restore)
+        return inputs._replace(states=states)
 
     def launch(self, chunks: list[Chunk], prev: InFlight | None = None, **options: bool) -> InFlight:
         """Queue the step on the device (inputs, model, sampling) without waiting for it; with workers,
@@ -227,13 +221,13 @@ class ModelRunner:
         ``with_prompt_logprobs``: some request wants prompt logprobs (computed for the chunks of those
         that do; refused with tensor parallelism, whose workers do not know of them)."""
         self.uploads.new_step()
-        input_ids, positions, meta, sample_rows = self.prepare(chunks, prev)
+        input_ids, positions, meta, sample_rows, states = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
             hidden = self.prefill_graphs.run(input_ids, positions, ForwardContext(meta, self.kv_caches))
         else:
-            hidden = self._forward(input_ids, positions, meta)
+            hidden = self._forward(input_ids, positions, meta, states)
         prompt_logprobs = None
         if with_prompt_logprobs:
             prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits, self.uploads)
@@ -278,7 +272,7 @@ class ModelRunner:
             # Start the copy back now and wait for this event alone in collect(): a plain .tolist() would
             # also wait for the step launched after this one, and nothing would overlap.
             fields = (getattr(out, f.name) for f in dataclasses.fields(out))  # (astuple would deep-copy them)
-            step.host = SamplerOutput(*(None if t is None else _copy_to_host(t) for t in fields))
+            step.host = SamplerOutput(*(None if t is None else copy_to_host(t) for t in fields))
             step.copied = torch.cuda.Event()
             step.copied.record()
 

@@ -15,7 +15,9 @@ import torch
 
 from nanostream.engine.runner.sampler import SamplerOutput
 from nanostream.engine.sequence import PENDING, Sequence
+from nanostream.engine.state_slots import ZERO, ChunkState
 from nanostream.layers.attention_backend import AttentionMetadata
+from nanostream.layers.cache_spec import StateMetadata
 
 
 class Chunk(Protocol):
@@ -29,6 +31,8 @@ class Chunk(Protocol):
     def num_new_tokens(self) -> int: ...
     @property
     def samples(self) -> bool: ...  # the chunk reaches the sequence's end: the step samples a token
+    @property
+    def state(self) -> ChunkState | None: ...  # a model with recurrent layers: where its state starts, snapshots
 
 
 class PendingSource(Protocol):
@@ -43,6 +47,7 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the hidden states whose logits are sampled (chunks that reach the end)
+    states: StateMetadata | None = None  # the recurrent layers' (``pack_states``), where the runner asks
 
 
 class Uploads:
@@ -202,3 +207,22 @@ def pack_step(
     if pending:  # on the device, after the step in flight has sampled them: no host round trip
         ids[rows_t] = prev.out.token_ids[prev_rows_t]
     return StepInputs(ids, pos, meta, sample_rows)
+
+
+def pack_states(chunks: list[Chunk], device: torch.device, uploads: Uploads | None = None) -> StateMetadata:
+    """The recurrent layers' part of a step: each chunk's live slot, its snapshots, and the slots to zero or
+    restore first. A chunk without a ``state`` (a warm-up step's) runs in slot 0 from zeros."""
+    slots, snapshots, zero, restore = [], [], [], []
+    for b, chunk in enumerate(chunks):
+        state = chunk.state
+        if state is None:
+            slots.append(0)
+            zero.append(0)
+            continue
+        slots.append(state.slot)
+        if state.init == ZERO:
+            zero.append(state.slot)
+        elif state.init is not None:
+            restore.append((state.slot, state.init))
+        snapshots += [(b, n, slot) for n, slot in state.snapshots]
+    return StateMetadata(to_device(slots, torch.int64, device, uploads), slots, snapshots, zero, restore)

@@ -18,6 +18,7 @@ import msgspec
 from nanostream.config import EngineConfig
 from nanostream.engine.runner.step_inputs import Chunk
 from nanostream.engine.sequence import Sequence
+from nanostream.engine.state_slots import ChunkState
 from nanostream.models.decoder import DecoderSpec
 
 
@@ -35,6 +36,7 @@ class ChunkUpdate(msgspec.Struct, array_like=True):
     samples: bool
     table_start: int  # the sequence's block table from this index on is ...
     blocks: list[int]  # ... these blocks (0: a new table)
+    state: ChunkState | None = None  # a model with recurrent layers: the chunk's state slot, start, snapshots
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -93,7 +95,9 @@ class StepWriter:
                 m.table, m.sent = seq.block_table, 0
             start, end = chunk.start, chunk.start + chunk.num_new_tokens
             updates.append(
-                ChunkUpdate(m.handle, start, seq.token_ids[start:end], chunk.samples, m.sent, m.table[m.sent :])
+                ChunkUpdate(
+                    m.handle, start, seq.token_ids[start:end], chunk.samples, m.sent, m.table[m.sent :], chunk.state
+                )
             )
             m.sent = len(m.table)
         if len(self._known) > len(updates):  # someone is not in this step: perhaps finished
@@ -131,6 +135,7 @@ class MirroredChunk:
     start: int
     num_new_tokens: int
     samples: bool
+    state: ChunkState | None = None
 
 
 class StepReader:
@@ -153,5 +158,5 @@ class StepReader:
                 )
                 table += u.blocks
             seq = MirroredSeq(u.handle, _Window(u.start, u.token_ids), table)
-            chunks.append(MirroredChunk(seq, u.start, len(u.token_ids), u.samples))
+            chunks.append(MirroredChunk(seq, u.start, len(u.token_ids), u.samples, u.state))
         return chunks

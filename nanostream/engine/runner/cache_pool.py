@@ -1,0 +1,114 @@
+"""The engine's caches by layer kind: the model's layers declare theirs (layers/cache_spec.py), and these pools
+hold them.
+
+- The layers with a ``PagedKV`` spec (softmax attention) share the KV pool (kv_pool.py): one block id names the
+  same tokens' K and V in each of them, so a sequence has one block table.
+- The layers with a ``RecurrentState`` spec (Gated DeltaNet) share the state pool: one slot id names a
+  sequence's state in each of them. Slots 0 .. max_num_seqs - 1 are live (a running sequence's), the rest are
+  snapshots the prefix cache keeps (engine/state_slots.py).
+
+``CacheLayout`` says which layer is which and what a block and a slot cost; ``allocate_caches`` makes the pools
+and gives each layer its views, in layer order (what ``ForwardContext.kv_caches`` holds)::
+
+    layout = CacheLayout(model.cache_specs())
+    caches = allocate_caches(layout, num_blocks=512, block_size=16, kv_dtype=torch.bfloat16, num_slots=64,
+                             model_dtype=torch.bfloat16, device=torch.device("cuda"))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanostream.engine.runner.kv_pool import kv_pool_views
+from nanostream.layers.attention_backend import KVCache
+from nanostream.layers.cache_spec import CacheSpec, PagedKV, RecurrentState, StateCache
+
+
+class CacheLayout:
+    """The model's cache specs (one per layer, this rank's shapes) by kind."""
+
+    def __init__(self, specs: list[CacheSpec]) -> None:
+        self.specs = specs
+        self.paged = [i for i, s in enumerate(specs) if isinstance(s, PagedKV)]
+        self.recurrent = [i for i, s in enumerate(specs) if isinstance(s, RecurrentState)]
+        unknown = [type(s).__name__ for s in specs if not isinstance(s, PagedKV | RecurrentState)]
+        if unknown:
+            raise ValueError(f"no pool for the cache specs {sorted(set(unknown))}")
+        kv = {(specs[i].num_kv_heads, specs[i].head_dim) for i in self.paged}
+        if len(kv) > 1:
+            raise ValueError(f"attention layers of different KV shapes {sorted(kv)} in one pool")
+        self.kv_shape = kv.pop() if kv else None  # (Hkv, D)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.recurrent)
+
+    def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes of one block: K and V of ``block_size`` tokens in every attention layer."""
+        if self.kv_shape is None:
+            return 0
+        hkv, d = self.kv_shape
+        return 2 * len(self.paged) * block_size * hkv * d * kv_dtype.itemsize
+
+    def describe(self, num_blocks: int, block_size: int, num_live: int, num_snapshots: int, slot_bytes: int) -> str:
+        """What the pools hold, in a line: "2,048 KV blocks of 16 tokens (4 attention layers); 64 sequences' states
+        and 64 prefix-cache snapshots of 1.50 MiB each (12 recurrent layers)"."""
+        kv = f"{num_blocks:,} KV blocks of {block_size} tokens ({_count(len(self.paged), 'attention layer')})"
+        if not self.recurrent:
+            return kv
+        return (
+            f"{kv}; {num_live:,} sequences' states and {num_snapshots:,} prefix-cache snapshots of "
+            f"{slot_bytes / 2**20:.2f} MiB each ({_count(len(self.recurrent), 'recurrent layer')})"
+        )
+
+    def slot_bytes(self, model_dtype: torch.dtype) -> int:
+        """Bytes of one state slot: a sequence's state in every recurrent layer."""
+        return sum(self.specs[i].nbytes(model_dtype) for i in self.recurrent)
+
+
+def allocate_caches(
+    layout: CacheLayout,
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    num_slots: int,
+    model_dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache | StateCache]:
+    """Zeroed pools: the KV blocks of the attention layers and ``num_slots`` state slots of the recurrent ones;
+    each layer's views, in layer order."""
+    caches: list[KVCache | StateCache | None] = [None] * len(layout.specs)
+    if layout.kv_shape is not None:
+        hkv, d = layout.kv_shape
+        views = kv_pool_views(len(layout.paged), num_blocks, block_size, hkv, d, kv_dtype, device)
+        for i, view in zip(layout.paged, views, strict=True):
+            caches[i] = view
+    for i in layout.recurrent:
+        tensors = layout.specs[i].tensors
+        caches[i] = StateCache(
+            tuple(torch.zeros(num_slots, *t.shape, dtype=t.dtype or model_dtype, device=device) for t in tensors)
+        )
+    return caches
+
+
+def init_states(caches: list[KVCache | StateCache], zero: list[int], restore: list[tuple[int, int]]) -> None:
+    """Before a step: slots ``zero`` (fresh sequences) set to zeros, and each (dst, src) of ``restore`` (a prefix
+    hit) a copy of snapshot src, in every recurrent layer."""
+    if not zero and not restore:
+        return
+    device = next(c.tensors[0].device for c in caches if isinstance(c, StateCache))
+    zero_t = torch.tensor(zero, dtype=torch.int64, device=device) if zero else None
+    dst, src = (torch.tensor(x, dtype=torch.int64, device=device) for x in zip(*restore)) if restore else (None, None)
+    for cache in caches:
+        if not isinstance(cache, StateCache):
+            continue
+        for t in cache.tensors:
+            if zero_t is not None:
+                t.index_fill_(0, zero_t, 0)
+            if dst is not None:
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
