@@ -64,7 +64,8 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"messages[{index}].content has a {part.type!r} part; this server takes only text parts",
+                    f"messages[{index}].content has a {part.type!r} part; this server runs the model's language "
+                    "model only and takes only text parts: send the message as text",
                     f"messages[{index}].content",
                 )
         return "\n".join(part.text for part in self.content)
