@@ -186,6 +186,19 @@ def test_a_qwen3_moe_checkpoint_of_fp8_experts(tmp_path):
     assert_greedy_matches_transformers(tmp_path / "fp8", tmp_path / "twin")
 
 
+@pytest.mark.parametrize("preset", ["qwen3_5_moe", "qwen3_next"])
+def test_a_hybrid_checkpoint_of_fp8_weights(preset, tmp_path):
+    # Qwen3.5's and Qwen3-Next's -FP8 releases: the DeltaNet's projections (separate or fused), the gated
+    # attention's and the experts' in FP8 blocks, the routers left unquantized
+    src = make_tiny_model(tmp_path / "src", **TINY_PRESETS[preset])
+    block = LAYOUTS["fp8-block"]
+    layout = dataclasses.replace(block, config=block.config | dict(modules_to_not_convert=["mlp.gate"]))
+    write_fp8(src, tmp_path / "fp8", tmp_path / "twin", layout)
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert stored["model.layers.0.linear_attn.out_proj.weight"].dtype == FP8
+    assert_greedy_matches_transformers(tmp_path / "fp8", tmp_path / "twin")
+
+
 def test_two_ranks_split_an_fp8_checkpoint_and_compute_what_one_does(checkpoints):
     path = checkpoints["fp8-block"][0]
     _, expected = logits_of(path, keep_fp8=False)
