@@ -146,6 +146,15 @@ def test_structured_output_holds_on_a_hybrid_model(hybrid_dirs):
     jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_the_batch_invariant_mode_gives_a_requests_tokens_whatever_shares_its_steps(hybrid_dirs):
+    prompts = random_prompts([5, 30, 77], seed=54)
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    with LLM(str(hybrid_dirs["qwen3_next"]), **ENGINE, batch_invariant=True) as llm:
+        together = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert together == alone
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
 def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(name, hybrid_dirs):
