@@ -156,11 +156,11 @@ def test_the_batch_invariant_mode_gives_a_requests_tokens_whatever_shares_its_st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "qwen3_next"])
-def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(name, hybrid_dirs):
+def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(hybrid_dirs):
     # Each rank holds half of every DeltaNet layer's key heads (and their value heads) and half of the attention
-    # heads; rank 0 sends each chunk's state slot, start and snapshots with its tokens.
-    path = hybrid_dirs[name]
+    # heads; rank 0 sends each chunk's state slot, start and snapshots with its tokens. (Each layout's split of the
+    # DeltaNet is checked against one rank's logits in test_hybrid_model.py.)
+    path = hybrid_dirs["qwen3_next"]
     shared = random_prompts([40], seed=47)[0]
     prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=48)]
     options = dict(**ENGINE, max_num_batched_tokens=24, max_num_seqs=4, num_kvcache_blocks=14)
