@@ -123,6 +123,10 @@ def test_unknown_config_key_is_a_type_error(qwen3_dir):
         ({"kvcache_block_size": -1}, "kvcache_block_size"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"worker_timeout": 0}, "worker_timeout must be a positive number"),
+        ({"state_snapshot_interval": 100, "kvcache_block_size": 16}, r"multiple of kvcache_block_size \(16\)"),
+        ({"state_snapshot_interval": 0}, "state_snapshot_interval must be a positive integer"),
+        ({"max_state_snapshots": -1}, "max_state_snapshots must be a non-negative integer"),
+        ({"max_state_snapshots": True}, "max_state_snapshots must be a non-negative integer"),
     ],
 )
 def test_bad_config_values(kwargs, match):
