@@ -155,3 +155,28 @@ def test_the_scheduler_plans_every_chunk_through_chunked_prefill_and_preemption(
 def test_state_slots_need_a_live_slot(live, snapshots):
     with pytest.raises(ValueError, match="live state slot"):
         StateSlots(live, snapshots)
+
+
+def test_random_traffic_with_aborts_hits_and_preemption_never_loses_a_slot():
+    # Prompts sharing prefixes, a small pool (preemption), aborts at any point (a request ended mid-prefill, mid-
+    # decode or while waiting), snapshot slots running out (eviction): after every step each slot is in one place.
+    import random
+
+    rng = random.Random(3)
+    bm = manager(num_blocks=26, live=4, snapshots=5)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64)
+    prefixes = [[rng.randrange(3, 50) for _ in range(rng.randrange(16, 30))] for _ in range(3)]
+    for step in range(300):
+        if rng.random() < 0.3 and len(sched.requests) < 8:
+            tail = [rng.randrange(3, 50) for _ in range(rng.randrange(1, 10))]
+            sched.add(seq(rng.choice(prefixes) + tail, f"r{step}"))
+        if sched.requests and rng.random() < 0.05:
+            sched.finish(rng.choice(list(sched.requests)), "abort")
+        chunks = sched.schedule()
+        for c in chunks:
+            assert c.state.slot == c.seq.state_slot and (c.state.init == ZERO) == (c.start == 0)
+        sched.launched(chunks)
+        sched.resolve(chunks, {c.seq.request_id: rng.randrange(3, 50) for c in chunks if c.samples})
+        accounted(bm, sched.running)
+        assert all(s.state_slot is None and not s.pending_snapshots for s in sched.waiting)
+    assert sched.num_preemptions > 10 and sched.num_prefix_hits > 100
