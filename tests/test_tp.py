@@ -362,7 +362,7 @@ def test_workers_pack_every_step_as_rank_0_does_through_preemption_prefix_hits_a
 
 @pytest.fixture(scope="module")
 def preset_dirs(tmp_path_factory):
-    names = ("llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+    names = ("llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2")
     return {name: make_tiny_model(tmp_path_factory.mktemp(name), **TINY_PRESETS[name]) for name in names}
 
 
@@ -393,6 +393,8 @@ def reference():
         ("qwen3_moe", 2),
         ("qwen2_moe", 2),
         ("mixtral", 2),
+        ("glm4_moe", 2),
+        ("minimax_m2", 2),
     ],
 )
 def test_generate_is_token_identical_to_one_rank(model, size, request, preset_dirs, reference):

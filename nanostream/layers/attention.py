@@ -6,7 +6,8 @@ context; the earlier context lives in the KV pool at the blocks of ``block_table
 chunked prefill, prefix-cache hits and decode are all this one shape (decode: one query token).
 
 ``Attention`` takes the fused qkv projection's output and does everything up to the attention
-output: QK-norm (where the model has it: per head, or over the whole projection as OLMo 2's),
+output: QK-norm (where the model has it: per head, or over the whole projection as OLMo 2's and MiniMax-M2's,
+this rank's rows of it normed with the other ranks'),
 rotary embedding (where the layer has it), the store of the new K/V at
 ``slot_mapping`` (-1: a padding token, stored nowhere), attention through its backend
 (layers/attention_backend.py). How is fixed when the layer is built: with a backend that brings a
@@ -23,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
 from nanostream.layers.attention_backend import AttentionBackend, AttentionMetadata, KVCache
 from nanostream.layers.cache_spec import PagedKV, StateCache, StateMetadata
 from nanostream.layers.linear import TensorSlice
-from nanostream.layers.norm import RMSNorm, RMSNormFn, rms_norm
+from nanostream.layers.norm import RMSNorm, RMSNormFn, ShardedRMSNorm, rms_norm, sharded_qk_norms
 from nanostream.layers.rotary import RotaryEmbedding
 
 
@@ -102,11 +104,21 @@ class KVScales(nn.Module):
         return self._unit, self._unit
 
 
+@dataclass(frozen=True)
+class WholeProjectionNorms:
+    """QK-norms over the whole q and k projections (OLMo 2, MiniMax-M2): the rows of each that this rank holds (its
+    heads' D rows; all of them at one rank) and the ranks' group, over which each norm's statistics are taken."""
+
+    q_rows: range
+    k_rows: range
+    tp: TensorParallel = SINGLE
+
+
 class Attention(nn.Module):
     """qkv [T, (Hq + 2 Hkv) D] of the step's new tokens -> attention output [T, Hq D].
 
     ``qk_norm_eps``: RMSNorm each head's q and k first (Qwen3's QK-norm; ``q_norm``/``k_norm`` hold the
-    weights), or with ``qk_norm_whole`` the whole q and k projections (OLMo 2). ``rotary``: the model's
+    weights), or with ``qk_norm_whole`` the whole q and k projections (OLMo 2, MiniMax-M2). ``rotary``: the model's
     table for this layer's kind, shared by its layers; None: no rotary embedding (SmolLM3's NoPE layers).
     ``norm_kernel`` runs the QK-norm where no fused prologue does. ``scale``: the softmax scale (None:
     head_dim ** -0.5); ``window``: a sliding window of that many positions, itself included; ``sinks``:
@@ -127,7 +139,7 @@ class Attention(nn.Module):
         norm_kernel: RMSNormFn = rms_norm,
         *,
         norm_weight_offset: float | None = None,
-        qk_norm_whole: bool = False,
+        qk_norm_whole: WholeProjectionNorms | None = None,
         scale: float | None = None,
         window: int | None = None,
         sinks: HeadSinks | None = None,
@@ -151,11 +163,14 @@ class Attention(nn.Module):
             self.register_buffer("_cos", torch.ones(head_dim // 2, dtype=torch.float32), persistent=False)
             self.register_buffer("_sin", torch.zeros(head_dim // 2, dtype=torch.float32), persistent=False)
         self.qk_norm = qk_norm_eps is not None
-        self.qk_norm_whole = self.qk_norm and qk_norm_whole
-        if self.qk_norm:
-            q_size, k_size = (num_heads * head_dim, num_kv_heads * head_dim) if qk_norm_whole else (head_dim, head_dim)
-            self.q_norm = RMSNorm(q_size, qk_norm_eps, norm_kernel, norm_weight_offset)
-            self.k_norm = RMSNorm(k_size, qk_norm_eps, norm_kernel, norm_weight_offset)
+        self.qk_norm_whole = self.qk_norm and qk_norm_whole is not None
+        if self.qk_norm_whole:
+            self.q_norm = ShardedRMSNorm(qk_norm_whole.q_rows, qk_norm_eps, norm_kernel, norm_weight_offset)
+            self.k_norm = ShardedRMSNorm(qk_norm_whole.k_rows, qk_norm_eps, norm_kernel, norm_weight_offset)
+            self.tp = qk_norm_whole.tp
+        elif self.qk_norm:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
 
     def cache_spec(self) -> PagedKV:
         """What the layer keeps per token: K and V of its (this rank's) KV heads."""
@@ -178,7 +193,7 @@ class Attention(nn.Module):
             scales["k_scale"], scales["v_scale"] = self.kv_scales.scales()
         if self.qk_norm_whole:
             q, k, v = qkv.split(self.split_sizes, -1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), -1)
+            qkv = torch.cat((*sharded_qk_norms(q, k, self.q_norm, self.k_norm, self.tp), v), -1)
         if self.prologue is not None:
             per_head = self.qk_norm and not self.qk_norm_whole
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 0.0)

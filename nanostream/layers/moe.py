@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss: a router picks each token's
-top-k experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2: a router picks
+each token's top-k experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the
 routing weights.
 
 - ``Router``: the gate linear [E, H], a float32 softmax over the experts, the top k, renormalised over
@@ -15,8 +15,8 @@ routing weights.
   activation the ``ClampedSwiGLU``. Which implementation runs is the ``MoEFn`` (layers/moe_spec.py) given at
   construction (``LayerKernels.moe``): ``moe_experts`` (layers/moe_reference.py), the reference, or
   ``nanostream.kernels.fused_moe.fused_moe`` (sorted tokens, grouped GEMMs).
-- ``SparseMoE``: router -> experts (+ Qwen2-MoE's shared expert, scaled by a sigmoid gate) -> one
-  all-reduce with tensor parallelism.
+- ``SparseMoE``: router -> experts (+ the shared expert: Qwen2-MoE's scaled by a sigmoid gate, DeepSeek's and
+  GLM-4.5's ``shared_experts`` added as they are) -> one all-reduce with tensor parallelism.
 
 With tensor parallelism every rank holds every expert's slice of the intermediate dimension (rows of
 gate and up and of their bias, columns of down), and of the shared expert's; router, shared-expert gate
@@ -34,6 +34,7 @@ from torch import nn
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.experts import Experts
+from nanostream.layers.grouped_router import GroupedTopKRouter
 from nanostream.layers.linear import Gemm, MergedColumnLinear, RowParallelLinear
 from nanostream.layers.moe_spec import MoEFn, MoESpec
 
@@ -75,7 +76,8 @@ class PartialSumLinear(RowParallelLinear):
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's shared expert: a SwiGLU MLP over ``rows`` of its intermediate dimension, every token."""
+    """The shared expert (Qwen2-MoE's; DeepSeek's ``shared_experts``, all of them as one): a SwiGLU MLP over
+    ``rows`` of its intermediate dimension, every token."""
 
     def __init__(self, hidden_size: int, rows: range, total: int, act: SiluAndMul, gemm: Gemm = F.linear) -> None:
         super().__init__()
@@ -89,7 +91,7 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts, Qwen2-MoE's gated shared expert; one all-reduce with tensor parallelism.
+    """Router, routed experts, the shared expert (gated or not); one all-reduce with tensor parallelism.
 
     ``expert_rows`` / ``shared_rows``: this rank's rows of the experts' and of the shared expert's
     intermediate dimension (models/sharding.py)."""
@@ -107,23 +109,27 @@ class SparseMoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gemm = gemm
-        self.gate = Router(hidden_size, spec, gemm)
+        router = GroupedTopKRouter if spec.router == "grouped_topk" else Router
+        self.gate = router(hidden_size, spec, gemm)
         self.experts = Experts(hidden_size, spec, expert_rows, kernel)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_expert_intermediate_size:
             total = spec.shared_expert_intermediate_size
             self.shared_expert = SharedExpert(hidden_size, shared_rows, total, act, gemm)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # its weight, multiplied by gemm
+            if spec.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # its weight, multiplied by gemm
         self.reduce = tp.all_reduce if tp.size > 1 else _unreduced  # one rank: no collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         weights, ids = self.gate(x)  # [T, K] each
         y = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             # As transformers: the routed sum + sigmoid(gate) * shared, in the model's dtype.
             y = y + torch.sigmoid(self.gemm(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x)
         return self.reduce(y)
 
 

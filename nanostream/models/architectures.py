@@ -4,13 +4,15 @@ language model runs alone (``TEXT_MODELS``).
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
 from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
 come from the config itself (models/config_reader.py reads them into a ``DecoderSpec``); so do the experts
-of a mixture-of-experts family, under the config keys its ``Experts`` declaration names, and a hybrid family's
-Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys: models/layer_kinds.py).
+of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), and
+a hybrid family's Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys:
+models/layer_kinds.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nanostream.models.spec import LayerNorms
 
@@ -43,6 +45,22 @@ class Experts:
     """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
     SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
     interleaved."""
+    router: str = "softmax"
+    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
+    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
+    correction bias steers the choice; ``greedy``: none, no groups)."""
+    groups: bool = False
+    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
+    scaling_key: str | None = None
+    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
+    float32_router: bool = False
+    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
+    and GLM-4.5); else the model's dtype."""
+    first_dense_key: str | None = None
+    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
+    shared_experts_key: str | None = None
+    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
+    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,8 @@ class GatedDeltaNetLayers:
 class Architecture:
     qk_norm: bool = False
     """RMSNorm over each head's queries and keys before the rotary embedding."""
+    qk_norm_key: str | None = None
+    """The config key that, when true, turns ``qk_norm`` on (GLM-4.5's ``use_qk_norm``)."""
     qkv_bias: bool = False
     """Biases on q, k and v (not o) whatever the config says."""
     qkv_bias_key: str | None = None
@@ -105,6 +125,12 @@ class Architecture:
     unused_tensors: tuple[str, ...] = ()
     """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
     tower): not loaded, one log line each."""
+    mtp_layers_key: str | None = None
+    """The config key counting the multi-token-prediction layers a checkpoint appends to the decoder's, as
+    ``model.layers.{num_hidden_layers + i}``: not loaded, one log line."""
+    fixed_values: tuple[tuple[str, Any], ...] = ()
+    """(config key, the one value nanostream runs, as transformers does whatever the config says): a config without
+    the key, or with that value (a list: in every entry), loads; another value is refused, naming it."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -201,6 +227,33 @@ ARCHITECTURES |= {
         unused_tensors=_QWEN3_5_UNUSED,
     ),
 }
+# DeepSeek's router (sigmoid scores, a correction bias that steers the choice alone, renormalised weights) on a
+# Llama-style attention: GLM-4.5 with its partial rotary, optional per-head QK-norm, q/k/v biases, shared experts,
+# groups and dense first layers; MiniMax-M2 with QK-norms over the whole q and k projections (``qk_norm_type``
+# per_layer), partial rotary (``rotary_dim``), every layer MoE. Both append multi-token-prediction layers.
+_MINIMAX_M2_FIXED = (  # attn_type_list 1: softmax attention in every layer (0: MiniMax-01's lightning attention)
+    ("attn_type_list", 1), ("qk_norm_type", "per_layer"), ("use_qk_norm", True), ("use_routing_bias", True),
+    ("shared_intermediate_size", 0), ("sliding_window", None),
+)  # fmt: skip
+ARCHITECTURES |= {
+    "Glm4MoeForCausalLM": Architecture(
+        qk_norm_key="use_qk_norm", qkv_bias_key="attention_bias", partial_rotary=True, rope_types=ROPES,
+        mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(
+            num_experts_key="n_routed_experts", float32_weights=True, sparse_layers=False, router="grouped_topk",
+            groups=True, scaling_key="routed_scaling_factor", float32_router=True,
+            first_dense_key="first_k_dense_replace", shared_experts_key="n_shared_experts",
+        ),
+    ),
+    "MiniMaxM2ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_whole=True, partial_rotary=True, rope_types=ROPES, mtp_layers_key="num_mtp_modules",
+        fixed_values=_MINIMAX_M2_FIXED,
+        experts=Experts(
+            num_experts_key="num_local_experts", intermediate_key="intermediate_size", renormalize=True,
+            float32_weights=True, sparse_layers=False, router="grouped_topk",
+        ),
+    ),
+}  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

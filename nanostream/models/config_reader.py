@@ -14,14 +14,14 @@ import math
 from typing import Any
 
 from nanostream.errors import ModelLoadError
-from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.layers.activation import ACTIVATIONS
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
-from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture, Experts
+from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
 from nanostream.models.layer_kinds import attention_output_gate, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
+from nanostream.models.moe_config import count, moe_spec, positive_int
 from nanostream.models.quantization import fp8_spec
 from nanostream.models.spec import DecoderSpec
 
@@ -73,7 +73,7 @@ def _layer_windows(hf_config: Any, arch_name: str, arch: Architecture, max_model
     window = _sliding_window(hf_config, arch)
     if window is None:
         return ()
-    window = _positive_int(hf_config, "sliding_window", arch_name)
+    window = positive_int(hf_config, "sliding_window", arch_name)
     num_layers = hf_config.num_hidden_layers
     types = getattr(hf_config, "layer_types", None)
     if types is None:
@@ -97,67 +97,10 @@ def _refuse_unsupported(hf_config: Any, name: str, arch: Architecture) -> None:
         raise ModelLoadError(f"{name} with attn_logit_softcapping is not supported; nanostream caps only final logits")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ModelLoadError(f"{name} with use_bidirectional_attention is not supported; nanostream attends causally")
-
-
-def _positive_int(hf_config: Any, key: str, arch_name: str, default: Any = None) -> int:
-    value = getattr(hf_config, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelLoadError(f"{arch_name} with {key}={value!r} is not supported; nanostream needs a positive integer")
-    return value
-
-
-def _moe(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
-    """The MoE layers a config declares, refusing what nanostream does not run; None: none (every MLP dense)."""
-    num_experts = getattr(hf_config, experts.num_experts_key, None)
-    if num_experts == 0 and experts.sparse_layers:  # transformers' Qwen MoE models: every layer dense
-        return None
-    num_experts = _positive_int(hf_config, experts.num_experts_key, arch_name)
-    top_k = _positive_int(hf_config, "num_experts_per_tok", arch_name)
-    if top_k > num_experts:
-        raise ModelLoadError(
-            f"{arch_name} routes each token to num_experts_per_tok={top_k} of {experts.num_experts_key}={num_experts} "
-            "experts; it cannot pick more than there are"
-        )
-    num_layers = hf_config.num_hidden_layers
-    layers = tuple(range(num_layers))
-    if experts.sparse_layers:
-        step = _positive_int(hf_config, "decoder_sparse_step", arch_name, default=1)
-        only = getattr(hf_config, "mlp_only_layers", None) or []
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-            raise ModelLoadError(f"{arch_name} with mlp_only_layers={only!r}: nanostream needs a list of layer indices")
-        layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
-    if not layers:
-        return None
-    shared = 0
-    if experts.shared_expert:
-        shared = getattr(hf_config, "shared_expert_intermediate_size", 0)
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ModelLoadError(f"{arch_name} with shared_expert_intermediate_size={shared!r} is not supported")
-    renormalize = experts.renormalize
-    if renormalize is None:
-        renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
-    gpt_oss = {}
-    if experts.gpt_oss:
-        # transformers before swiglu_alpha was a config key used 1.702, and so do configs without it
-        alpha, limit = getattr(hf_config, "swiglu_alpha", 1.702), getattr(hf_config, "swiglu_limit", 7.0)
-        gpt_oss = dict(
-            router_bias=True,
-            softmax_after_topk=True,
-            activation=ClampedSwiGLU(alpha=float(alpha), limit=float(limit)),
-            expert_bias=True,
-            transposed_experts=True,
-            interleaved_gate_up=True,
-        )
-    return MoESpec(
-        num_experts=num_experts,
-        top_k=top_k,
-        intermediate_size=_positive_int(hf_config, experts.intermediate_key, arch_name),
-        renormalize=renormalize,
-        float32_weights=experts.float32_weights,
-        layers=layers,
-        shared_expert_intermediate_size=shared,
-        **gpt_oss,
-    )
+    for key, runs in arch.fixed_values:
+        value = getattr(hf_config, key, runs)
+        if any(v != runs for v in (value if isinstance(value, list | tuple) else [value])):
+            raise ModelLoadError(f"{name} with {key}={value!r} is not supported; nanostream runs {key}={runs!r}")
 
 
 def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
@@ -190,7 +133,8 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
     windows = _layer_windows(hf_config, name, arch, max_model_len)
-    moe = _moe(hf_config, name, arch.experts) if arch.experts else None
+    moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
+    qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
     mixers, gated_deltanet = token_mixers(hf_config, name, arch)
     return DecoderSpec(
         architecture=name,
@@ -207,7 +151,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         max_position=hf_config.max_position_embeddings,
         qkv_bias=qkv_bias or attention_bias,
         o_bias=attention_bias,
-        qk_norm=arch.qk_norm,
+        qk_norm=qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         mlp_bias=mlp_bias,
         moe=moe,
@@ -224,8 +168,16 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         token_mixers=mixers,
         gated_deltanet=gated_deltanet,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
-        unused_tensors=arch.unused_tensors,
+        unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
     )
+
+
+def _mtp_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[str, ...]:
+    """The prefixes of the multi-token-prediction layers a checkpoint appends to the decoder's (not loaded)."""
+    if arch.mtp_layers_key is None:
+        return ()
+    first = hf_config.num_hidden_layers
+    return tuple(f"model.layers.{first + i}." for i in range(count(hf_config, arch.mtp_layers_key, name)))
 
 
 def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None) -> int:

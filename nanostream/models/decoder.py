@@ -130,8 +130,13 @@ class DecoderForCausalLM(nn.Module):
         "in_proj_qkvz": ("in_proj", "qkvz"),
         "in_proj_ba": ("in_proj", "ba"),
     }
-    # Mixtral's published name of its MoE block, gpt-oss's of its router
-    checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate"}
+    # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts
+    checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert"}
+    # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block
+    checkpoint_suffixes = {
+        f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
+        for block in ("block_sparse_moe", "mlp")
+    }
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).
     checkpoint_expert_tensors = {
@@ -174,7 +179,8 @@ class DecoderForCausalLM(nn.Module):
         """Put each head's q and k dims in the rotary tables' order (``RopeSpec.head_order``: partial and
         interleaved rotary, GLM-4, Phi-3, Qwen3-Next), once, after the weights are in: the q and k rows of
         ``qkv_proj`` (with an output gate, each head's query rows; its gate rows stay), their biases, FP8 scales
-        per row, and per-head QK-norm weights (an FP8 block holds whole heads). q·k, so attention, is unchanged.
+        per row, and QK-norm weights, per head or each head's of a whole-projection norm (an FP8 block holds whole
+        heads; the norm's mean of squares is over the same values). q·k, so attention, is unchanged.
         Nothing to do for most families."""
         d = self.spec.head_dim
         order = self.spec.rope.head_order(d)
@@ -197,11 +203,12 @@ class DecoderForCausalLM(nn.Module):
                     data = param.view(torch.uint8) if param.dtype == FP8 else param  # FP8: its bytes moved
                     for rows, o, size in ((q, q_order, q_d), (k, order, d)):
                         data[rows.start : rows.stop] = permute_heads(data[rows.start : rows.stop], o, size)
-            if attn.qk_norm and not attn.qk_norm_whole:
+            if attn.qk_norm_whole:  # a weight per dim of the whole projection: each head's D in order
+                for norm in (attn.q_norm, attn.k_norm):
+                    norm.weight.copy_(permute_heads(norm.weight, order, d))
+            elif attn.qk_norm:
                 for norm in (attn.q_norm, attn.k_norm):
                     norm.weight.copy_(norm.weight[order])
-            elif attn.qk_norm_whole:
-                raise ValueError("whole-projection QK-norms with a permuted rotary layout are not supported")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [B, V] in the model's dtype (the sampler upcasts where it must); with tensor parallelism on

@@ -21,7 +21,7 @@ from torch import nn
 
 from nanostream.distributed.group import TensorParallel
 from nanostream.layers.activation import SiluAndMul
-from nanostream.layers.attention import Attention, ForwardContext, HeadSinks
+from nanostream.layers.attention import Attention, ForwardContext, HeadSinks, WholeProjectionNorms
 from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.gated_deltanet import GatedDeltaNet
 from nanostream.layers.layer_kernels import LayerKernels
@@ -69,7 +69,7 @@ class SelfAttention(nn.Module):
             qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
             norm_kernel=kernels.rms_norm,
             norm_weight_offset=spec.norm_weight_offset,
-            qk_norm_whole=spec.qk_norm_whole,
+            qk_norm_whole=WholeProjectionNorms(_head_rows(shard.heads, d), kv_rows, tp) if spec.qk_norm_whole else None,
             scale=spec.attention_scale,
             window=spec.window(layer_idx),
             sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,

@@ -96,6 +96,8 @@ def _wanted(model: nn.Module, pname: str, param: nn.Parameter) -> list[str]:
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every tensor of ``path/*.safetensors`` into ``model``; raise if a parameter stays unloaded, or if
     a tensor has no place in the model (its weights are for another architecture than config.json names).
+    ``model.checkpoint_suffixes`` renames the end of a tensor's name (``block.e_score_correction_bias`` ->
+    ``block.gate.e_score_correction_bias``) before it is placed.
 
     ``model.checkpoint_modules`` maps a checkpoint module name to (its module in ``model``, a shard of it or
     None): ``{"q_proj": ("qkv_proj", "q"), "q_norm": ("attn.q_norm", None)}``. A module with a shard takes it
@@ -122,6 +124,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     fp8 = fp8_spec(_quantization_config(path), arch)
     loaded: set[str] = set()
     unexpected: list[str] = []
+    renamed = {**_KV_SCALE_NAMES, **getattr(model, "checkpoint_suffixes", {})}
     with contextlib.ExitStack() as stack:
         opened = [stack.enter_context(safe_open(os.fspath(file), framework="pt", device="cpu")) for file in files]
         where = {name: f for f in opened for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
@@ -138,7 +141,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 skip = skip or name.split(".", 1)[0] + "."
                 unused[skip] = unused.get(skip, 0) + 1
                 continue
-            for old, new in _KV_SCALE_NAMES.items():
+            for old, new in renamed.items():
                 if local.endswith("." + old):
                     local = local.removesuffix(old) + new
             if (

@@ -6,8 +6,12 @@ they read. With fewer KV heads than ranks each KV head is replicated on ``n / Hk
 and the vocabulary split into ``n`` equal ranges. Norms, rotary tables and biases of row-parallel
 projections are whole on every rank.
 
+A QK-norm over the whole q and k projections (OLMo 2, MiniMax-M2) holds this rank's heads' rows of its weight, and
+takes its statistics over every rank's (one all-reduce a layer, layers/norm.py).
+
 In a mixture-of-experts layer every rank holds every expert, ``[r * I/n, (r+1) * I/n)`` of each one's
-intermediate dimension (and of the shared expert's); the router is whole on every rank.
+intermediate dimension (and of the shared expert's); the router is whole on every rank (DeepSeek's correction
+bias too).
 
 A Gated DeltaNet layer splits by key heads: rank ``r`` holds key heads ``[r * Hk/n, (r+1) * Hk/n)``, the value
 heads that read them, their conv channels and states, and their columns of out_proj (row parallel, one all-reduce).
@@ -76,8 +80,6 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
             f"linear_num_key_heads ({gdn.num_k_heads}) is not divisible by it (a Gated DeltaNet layer splits by key "
             "heads)"
         )
-    if spec.qk_norm_whole and size > 1:
-        problems.append("its QK-norms span every head (OLMo 2), and nanostream does not split them over ranks")
     return problems
 
 

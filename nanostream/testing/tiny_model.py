@@ -34,6 +34,8 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
 # the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
@@ -60,7 +62,14 @@ _CONFIG_CLASSES = {  # the text model's config, not the multimodal one
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
 }
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
-# Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert.
+# Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert. DeepSeek's router (GLM-4.5: a dense
+# first layer, a shared expert, the top 2 of 4 groups, scaled weights; MiniMax-M2) with a correction bias drawn large
+# enough to change the choice (make_tiny_model).
+_GLM4_MOE = dict(
+    head_dim=16, num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+    moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+)  # fmt: skip
 _TINY_MOE: dict[str, dict] = {
     "Qwen3MoeForCausalLM": dict(
         head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True
@@ -75,6 +84,10 @@ _TINY_MOE: dict[str, dict] = {
         mlp_only_layers=[1],
     ),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None),
+    "Glm4MoeForCausalLM": _GLM4_MOE,
+    "MiniMaxM2ForCausalLM": dict(
+        head_dim=16, num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, rotary_dim=8
+    ),
     # sliding (16 tokens) and full layers with sinks; the experts' clamp (limit 2) is reached at this init
     "GptOssForCausalLM": dict(
         head_dim=16,
@@ -151,6 +164,8 @@ TINY_PRESETS: dict[str, dict] = {
     "qwen3_5": dict(architecture="Qwen3_5ForCausalLM", seed=20),  # tied, as the small Qwen3.5 models
     "qwen3_5_moe": dict(architecture="Qwen3_5MoeForCausalLM", seed=21, tie_word_embeddings=False),
     "qwen3_5_vl": dict(architecture="Qwen3_5ForConditionalGeneration", seed=22),  # with a vision tower
+    "glm4_moe": dict(architecture="Glm4MoeForCausalLM", seed=23, tie_word_embeddings=False),
+    "minimax_m2": dict(architecture="MiniMaxM2ForCausalLM", seed=24, tie_word_embeddings=False),
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
@@ -225,7 +240,9 @@ def make_tiny_model(
     class (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off
     unless given. ``init_std`` is larger than a real model's so that next-token distributions are peaked
     and greedy choices are not near-ties; every parameter is drawn, the MoE routers and the norms too
-    (norms near 1). The same architecture, shape and seed give the same weights.
+    (norms near 1), and DeepSeek's router's correction bias (a buffer in transformers), of N(0, 0.3^2): as wide as
+    the sigmoid scores' spread, so that it changes most tokens' choice. The same architecture, shape and seed give
+    the same weights.
     ``weights_dtype`` ("bfloat16"): the model is built and saved in it, never whole in float32 (an 8B
     shape then takes 16 GB of memory and of disk, not 32).
     ``expert_layout``: how an MoE model's experts are saved, ``per_expert`` (the published checkpoints'
@@ -263,6 +280,9 @@ def make_tiny_model(
                 param.copy_((-2.0 if name.endswith("A_log") else -1.0) + 0.5 * torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(init_std * torch.randn(param.shape, generator=gen))
+        for name, buffer in sorted(model.named_buffers()):  # DeepSeek's router's bias, a buffer in transformers
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
     path.mkdir(parents=True, exist_ok=True)
     stacked = {"save_original_format": False} if expert_layout == "stacked" else {}
     model.save_pretrained(path, safe_serialization=True, **stacked)

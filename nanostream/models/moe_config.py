@@ -1,0 +1,147 @@
+"""Reading a mixture-of-experts family's experts from its config.json into a ``MoESpec`` (layers/moe_spec.py), under
+the keys its ``Experts`` declaration names (models/architectures.py), refusing by name what nanostream does not run::
+
+    moe = moe_spec(hf_config, "Glm4MoeForCausalLM", ARCHITECTURES["Glm4MoeForCausalLM"].experts)
+    moe.router, moe.layers, moe.scaling   # ('grouped_topk', (1, 2, 3), 2.5)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nanostream.errors import ModelLoadError
+from nanostream.kernels.expert_ops import ClampedSwiGLU
+from nanostream.layers.moe_spec import SCORINGS, MoESpec, group_problem
+from nanostream.models.architectures import Experts
+
+TOPK_METHODS = ("noaux_tc", "greedy")
+"""The ``topk_method`` values of DeepSeek's router that nanostream runs: ``noaux_tc`` (a correction bias steers the
+choice, limited to the best groups) and ``greedy`` (the top k of the scores, no bias, no groups)."""
+
+
+def positive_int(hf_config: Any, key: str, arch_name: str, default: Any = None) -> int:
+    """The config's ``key``, a positive integer, or a ``ModelLoadError`` naming it."""
+    value = getattr(hf_config, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{arch_name} with {key}={value!r} is not supported; nanostream needs a positive integer")
+    return value
+
+
+def count(hf_config: Any, key: str, arch_name: str) -> int:
+    """The config's ``key``, an integer of 0 or more (0 when the config lacks it), or a ``ModelLoadError``."""
+    value = getattr(hf_config, key, None)
+    value = 0 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(f"{arch_name} with {key}={value!r} is not supported; nanostream needs an integer >= 0")
+    return value
+
+
+def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
+    """The MoE layers a config declares, refusing what nanostream does not run; None: none (every MLP dense)."""
+    num_experts = getattr(hf_config, experts.num_experts_key, None)
+    if num_experts == 0 and experts.sparse_layers:  # transformers' Qwen MoE models: every layer dense
+        return None
+    num_experts = positive_int(hf_config, experts.num_experts_key, arch_name)
+    top_k = positive_int(hf_config, "num_experts_per_tok", arch_name)
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{arch_name} routes each token to num_experts_per_tok={top_k} of {experts.num_experts_key}={num_experts} "
+            "experts; it cannot pick more than there are"
+        )
+    layers = _moe_layers(hf_config, arch_name, experts)
+    if not layers:
+        return None
+    intermediate = positive_int(hf_config, experts.intermediate_key, arch_name)
+    shared, gated = 0, True
+    if experts.shared_expert:
+        shared = getattr(hf_config, "shared_expert_intermediate_size", 0)
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ModelLoadError(f"{arch_name} with shared_expert_intermediate_size={shared!r} is not supported")
+    if experts.shared_experts_key is not None:  # DeepSeek's: n experts of the routed ones' size, one ungated MLP
+        shared, gated = count(hf_config, experts.shared_experts_key, arch_name) * intermediate, False
+    renormalize = experts.renormalize
+    if renormalize is None:
+        renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=intermediate,
+        renormalize=renormalize,
+        float32_weights=experts.float32_weights,
+        layers=layers,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=gated,
+        **_gpt_oss(hf_config, experts),
+        **_grouped_router(hf_config, arch_name, experts, num_experts, top_k),
+    )
+
+
+def _moe_layers(hf_config: Any, arch_name: str, experts: Experts) -> tuple[int, ...]:
+    num_layers = hf_config.num_hidden_layers
+    layers = tuple(range(num_layers))
+    if experts.sparse_layers:
+        step = positive_int(hf_config, "decoder_sparse_step", arch_name, default=1)
+        only = getattr(hf_config, "mlp_only_layers", None) or []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ModelLoadError(f"{arch_name} with mlp_only_layers={only!r}: nanostream needs a list of layer indices")
+        layers = tuple(i for i in layers if i not in only and (i + 1) % step == 0)
+    if experts.first_dense_key is not None:  # DeepSeek's first_k_dense_replace: dense layers, then MoE ones
+        first = count(hf_config, experts.first_dense_key, arch_name)
+        layers = tuple(i for i in layers if i >= first)
+    return layers
+
+
+def _gpt_oss(hf_config: Any, experts: Experts) -> dict[str, Any]:
+    if not experts.gpt_oss:
+        return {}
+    # transformers before swiglu_alpha was a config key used 1.702, and so do configs without it
+    alpha, limit = getattr(hf_config, "swiglu_alpha", 1.702), getattr(hf_config, "swiglu_limit", 7.0)
+    return dict(
+        router_bias=True,
+        softmax_after_topk=True,
+        activation=ClampedSwiGLU(alpha=float(alpha), limit=float(limit)),
+        expert_bias=True,
+        transposed_experts=True,
+        interleaved_gate_up=True,
+    )
+
+
+def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: int, top_k: int) -> dict[str, Any]:
+    """DeepSeek's router's options (``scoring_func``, ``topk_method``, groups, scaling), refusing what it does not
+    run; {} for another router."""
+    if experts.router != "grouped_topk":
+        return {}
+    scoring = getattr(hf_config, "scoring_func", None) or "sigmoid"
+    if scoring not in SCORINGS:
+        raise ModelLoadError(
+            f"{name} with scoring_func={scoring!r} is not supported; nanostream's router scores by "
+            f"{' or '.join(SCORINGS)}"
+        )
+    method = getattr(hf_config, "topk_method", None) or "noaux_tc"
+    if method not in TOPK_METHODS:
+        raise ModelLoadError(
+            f"{name} with topk_method={method!r} is not supported; nanostream's router runs {', '.join(TOPK_METHODS)}"
+        )
+    groups = topk_groups = 1
+    if experts.groups and method == "noaux_tc":
+        groups = positive_int(hf_config, "n_group", name, default=1)
+        topk_groups = positive_int(hf_config, "topk_group", name, default=1)
+        problem = group_problem(num_experts, top_k, groups, topk_groups)
+        if problem is not None:
+            raise ModelLoadError(f"{name} with n_group={groups}, topk_group={topk_groups} is not supported: {problem}")
+    scaling = 1.0
+    if experts.scaling_key is not None:
+        scaling = getattr(hf_config, experts.scaling_key, None)
+        scaling = 1.0 if scaling is None else scaling
+        if isinstance(scaling, bool) or not isinstance(scaling, int | float) or not math.isfinite(scaling):
+            raise ModelLoadError(f"{name} with {experts.scaling_key}={scaling!r} is not supported; it needs a number")
+    return dict(
+        router="grouped_topk",
+        scoring=scoring,
+        correction_bias=method == "noaux_tc",
+        groups=groups,
+        topk_groups=topk_groups,
+        scaling=float(scaling),
+        float32_router=experts.float32_router,
+    )
