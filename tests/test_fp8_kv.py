@@ -28,7 +28,8 @@ from transformers import AutoConfig
 from nanostream import LLM, SamplingParams
 from nanostream.cli import build_parser
 from nanostream.config import EngineConfig
-from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool, kv_block_bytes, plan_num_kv_blocks
+from nanostream.engine.runner.cache_pool import CacheLayout
+from nanostream.engine.runner.kv_pool import WarmupChunk, allocate_kv_pool, plan_num_kv_blocks
 from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
 from nanostream.kernels.decode_attention import paged_decode_attention
@@ -38,6 +39,7 @@ from nanostream.kernels.qkv_prologue import qkv_prologue
 from nanostream.kernels.store_kv import store_kv
 from nanostream.layers.attention import Attention, ForwardContext
 from nanostream.layers.attention_backend import KVCache, TorchAttention
+from nanostream.layers.cache_spec import PagedKV
 from nanostream.layers.flash_attention import FP8_KV_REFUSED, FlashAttention, flash_attn_unavailable_reason
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.norm import RMSNorm
@@ -117,7 +119,8 @@ def no_cuda() -> int:
 
 def test_an_fp8_pool_holds_twice_the_blocks_of_a_bfloat16_one(qwen3_dir, caplog):
     spec = decoder_spec(AutoConfig.from_pretrained(qwen3_dir), max_model_len=2048)
-    bf16, fp8 = (kv_block_bytes(spec, 16, dtype) for dtype in (torch.bfloat16, FP8_KV_DTYPE))
+    layout = CacheLayout([PagedKV(spec.num_kv_heads, spec.head_dim)] * spec.num_layers)
+    bf16, fp8 = (layout.kv_block_bytes(16, dtype) for dtype in (torch.bfloat16, FP8_KV_DTYPE))
     assert bf16 == 2 * fp8 == 2 * 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim
     config = EngineConfig(model="m", kv_cache_memory_bytes=1 << 20).resolve(
         max_position_embeddings=2048, cuda_available=False

@@ -38,13 +38,6 @@ def kv_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, config.dtype) if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
 
 
-def kv_block_bytes(spec: DecoderSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """Bytes of one block in the pool's ``dtype`` (``kv_dtype``); ``num_kv_heads``: this rank's KV heads
-    (default: all of the model's)."""
-    hkv = num_kv_heads or spec.num_kv_heads
-    return 2 * spec.num_layers * block_size * hkv * spec.head_dim * dtype.itemsize
-
-
 def allocate_kv_pool(
     spec: DecoderSpec,
     num_blocks: int,

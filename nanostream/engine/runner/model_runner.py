@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,9 +39,6 @@ from nanostream.layers.backends import get_backend
 from nanostream.layers.cache_spec import StateCache, StateMetadata
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
