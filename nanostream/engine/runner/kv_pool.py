@@ -1,6 +1,8 @@
-"""The KV pool: how many blocks fit, and the one allocation that holds them all.
+"""The KV pool: how many blocks fit (beside a recurrent model's state slots: ``plan_cache``), and the one
+allocation that holds them all.
 
-The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D] in the KV cache's dtype
+The pool is one tensor [2, num_layers, num_blocks, block_size, Hkv, D] (num_layers: the attention layers; the
+recurrent ones keep their state in engine/runner/cache_pool.py's slots) in the KV cache's dtype
 (``kv_dtype``: the model's, or float8 e4m3 with ``kv_cache_dtype="fp8"``, one byte an element: twice a
 bfloat16 pool's blocks in the same bytes); each layer's ``KVCache`` is a view of it. An FP8 pool's V half
 is laid out [num_layers, num_blocks, Hkv, D, block_size] under the same view (a block's rows fastest:
