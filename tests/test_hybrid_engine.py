@@ -242,3 +242,21 @@ def test_on_a_gpu_the_hybrid_engine_gives_the_cpu_engines_tokens(backend, hybrid
         runs.append([o.token_ids for o in outputs])
         assert [o.num_cached_tokens for o in outputs[1:]] == [40, 40]  # the first prompt's end snapshot
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_in_bfloat16_the_deltanet_runs_flas_kernels_and_a_hit_continues_as_a_cold_run(hybrid_dirs):
+    pytest.importorskip("fla")
+    path = hybrid_dirs["qwen3_5_moe"]
+    shared = random_prompts([100], seed=52)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 50], seed=53)]
+    params = greedy(8)
+    options = {**ENGINE, "device": "cuda", "dtype": "bfloat16", "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    with LLM(str(path), **options) as llm:
+        assert llm.engine.runner.model.model.layers[0].linear_attn.varlen is not None  # fla-core's kernels
+        llm.generate([shared], params, use_tqdm=False)
+        hit = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(path), **options, enable_prefix_caching=False) as cold:
+        fresh = cold.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in hit] == [96, 96]
+    assert [o.token_ids[:4] for o in hit] == [o.token_ids[:4] for o in fresh]

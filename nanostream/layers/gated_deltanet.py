@@ -30,6 +30,7 @@ from torch import nn
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor
 from nanostream.layers.delta_rule import GatedDeltaNetSpec, GatedRMSNorm, causal_conv1d, gated_delta_rule
+from nanostream.layers.delta_rule_fla import Heads, VarlenRule, varlen_with_snapshots
 from nanostream.layers.linear import Gemm, MergedColumnLinear, TensorSlice, row_parallel_linear
 
 if TYPE_CHECKING:
@@ -66,7 +67,9 @@ class GatedDeltaNet(nn.Module):
     ``in_proj``) over this rank's key heads ``k_heads`` (None: all of them).
 
     ``forward(hidden, ctx)`` runs a step with the engine's state pool; ``step(hidden, cu_seqlens, conv, ssm)``
-    runs one on states passed as tensors. The decoder calls the pieces: ``in_proj``, ``mix``, ``out_proj``."""
+    runs one on states passed as tensors. The decoder calls the pieces: ``in_proj``, ``mix``, ``out_proj``.
+    ``varlen``: the conv and delta rule of a step's sequences in one call (fla-core's kernels, CUDA); None: the torch
+    reference, a sequence at a time."""
 
     def __init__(
         self,
@@ -75,9 +78,11 @@ class GatedDeltaNet(nn.Module):
         k_heads: range | None = None,
         tp: TensorParallel = SINGLE,
         gemm: Gemm = F.linear,
+        varlen: VarlenRule | None = None,
     ) -> None:
         super().__init__()
         self.spec, self.layer_idx = spec, layer_idx
+        self.varlen = varlen  # all sequences of a step at once (layers/delta_rule_fla.py); None: one by one
         s, r = spec, spec.v_per_k
         self.k_heads = range(s.num_k_heads) if k_heads is None else k_heads
         self.v_heads = range(self.k_heads.start * r, self.k_heads.stop * r)
@@ -151,7 +156,16 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"{len(bounds) - 1} sequences in the step, {len(states.slots_host)} state slots")
         conv, ssm = conv_pool.index_select(0, states.slots), ssm_pool.index_select(0, states.slots)  # copies
         cuts = [states.snapshots_of(b) for b in range(len(states.slots_host))]
-        out = self._mix_rows(projected, bounds, conv, ssm, cuts, (conv_pool, ssm_pool))
+        if self.varlen is None:
+            out = self._mix_rows(projected, bounds, conv, ssm, cuts, (conv_pool, ssm_pool))
+        else:
+            qkv, z, beta, g = self._gates(projected)
+            heads = Heads(self.num_k_heads, self.spec.head_k_dim, self.num_v_heads, self.spec.head_v_dim)
+            core = varlen_with_snapshots(
+                qkv, g, beta, self.conv1d.weight[:, 0], conv, ssm, bounds, ctx.attn.cu_seqlens_q, cuts,
+                (conv_pool, ssm_pool), heads, self.varlen,
+            )  # fmt: skip
+            out = self.norm(core, z).flatten(1)
         conv_pool.index_copy_(0, states.slots, conv)
         ssm_pool.index_copy_(0, states.slots, ssm)
         return out
@@ -178,10 +192,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """Sequence b's tokens from its states ``conv[b]``, ``ssm[b]`` (advanced in place), copied into row ``slot``
         of ``pools`` after its first n tokens for each (n, slot) of ``cuts[b]``; the gated norm's output [T, Hv' Dv]."""
-        qkv, z, b, a = self._split(projected)  # [T, C'], [T, Hv', Dv], [T, Hv'], [T, Hv']
-        beta = b.sigmoid()
-        # float32 before the exp: a float16 exp(A_log) may overflow to inf (transformers' note)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv'] float32
+        qkv, z, beta, g = self._gates(projected)
         core = z.new_empty(z.shape)  # [T, Hv', Dv]
         for i, (start, end) in enumerate(itertools.pairwise(bounds)):
             done = start
@@ -196,6 +207,13 @@ class GatedDeltaNet(nn.Module):
                     pools[0][slot].copy_(conv[i])
                     pools[1][slot].copy_(ssm[i])
         return self.norm(core, z).flatten(1)
+
+    def _gates(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv [T, C'], z [T, Hv', Dv], beta [T, Hv'], g [T, Hv'] float32 log decay) of ``in_proj``'s [T, P]."""
+        qkv, z, b, a = self._split(projected)
+        # float32 before the exp: a float16 exp(A_log) may overflow to inf (transformers' note)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return qkv, z, b.sigmoid(), g
 
     def _advance(
         self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor

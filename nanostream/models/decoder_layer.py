@@ -110,7 +110,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.kind = spec.mixer(layer_idx)
         if self.kind == "gated_deltanet":
-            gdn = GatedDeltaNet(spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear)
+            gdn = GatedDeltaNet(
+                spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear, kernels.delta_rule
+            )
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
         else:

@@ -37,6 +37,7 @@ from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import AttentionMetadata, KVCache
 from nanostream.layers.backends import get_backend
 from nanostream.layers.cache_spec import StateCache, StateMetadata
+from nanostream.layers.delta_rule_fla import fla_runs, varlen_delta_rule
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models import DecoderSpec, load_model
 
@@ -80,6 +81,8 @@ class ModelRunner:
         kernels = LayerKernels.for_backend(
             self.backend, compile=cuda and config.torch_compile, batch_invariant=config.batch_invariant
         )
+        if fla_runs(self.device, self.dtype) and not config.batch_invariant:  # Gated DeltaNet: fla-core's kernels
+            kernels = dataclasses.replace(kernels, delta_rule=varlen_delta_rule)
         self.model = load_model(
             self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp,
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
