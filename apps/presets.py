@@ -28,6 +28,8 @@ QWEN3_30B_A3B = "qwen3-30b-a3b"
 MIXTRAL_8X7B = "mixtral-8x7b"
 GEMMA3_4B = "gemma-3-4b"
 GPT_OSS_20B = "gpt-oss-20b"
+QWEN3_5_9B = "qwen3.5-9b"
+QWEN3_6_35B_A3B = "qwen3.6-35b-a3b"
 
 # make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
 # preset has unless it says otherwise) and each model's departures from it.
@@ -159,6 +161,46 @@ PRESETS: dict[str, dict] = {
         },
     ),
 }
+# Qwen/Qwen3.5-9B's text_config (and Qwen3.6-35B-A3B's, the Qwen3.5-35B-A3B architecture): three Gated DeltaNet
+# layers (16 key heads read by 32 value heads of 128) to each gated full-attention layer (head_dim 256, rotary on a
+# quarter of it), vocabulary 248,320.
+HYBRID = dict(
+    DUMMY,
+    head_dim=256,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+PRESETS[QWEN3_5_9B] = preset(
+    HYBRID,
+    architecture="Qwen3_5ForCausalLM",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    intermediate_size=12288,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+PRESETS[QWEN3_5_9B]["layer_types"] *= 8
+# 256 experts of 512, 8 per token, and a gated shared expert of 512 in every layer.
+PRESETS[QWEN3_6_35B_A3B] = preset(
+    HYBRID,
+    architecture="Qwen3_5MoeForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+)
 # Qwen/Qwen3-8B-FP8's quantization_config over the 8B shape: block-wise FP8 (128 x 128, dynamic activations),
 # dummy FP8 weights with their scales made on the device. Its bf16 twin on the same random values:
 # --preset qwen3-8b --tiny-config '{"weights": false}' --load-format dummy.

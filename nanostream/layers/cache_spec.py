@@ -79,9 +79,26 @@ class StateMetadata:
     zero: list[int] = field(default_factory=list)  # slots zeroed before the forward (fresh sequences) ...
     restore: list[tuple[int, int]] = field(default_factory=list)  # ... and (dst, src) copied: the runner's job
 
+    def decode_copies(self) -> list[tuple[int, int]] | None:
+        """A decode step's snapshots (each after its chunk's one token) as (snapshot slot, live slot) copies to make
+        once the step is computed; None if one is anywhere else."""
+        if any(n != 1 for _, n, _ in self.snapshots):
+            return None
+        return [(slot, self.slots_host[b]) for b, _, slot in self.snapshots]
+
     def snapshots_of(self, b: int) -> list[tuple[int, int]]:
         """Chunk ``b``'s snapshots as (n, slot), n ascending."""
         return sorted((n, slot) for row, n, slot in self.snapshots if row == b)
+
+
+def copy_rows(cache: StateCache, pairs: list[tuple[int, int]]) -> None:
+    """For each (dst, src) of ``pairs``, row src of every tensor of ``cache`` copied into row dst."""
+    if not pairs:
+        return
+    device = cache.tensors[0].device
+    dst, src = (torch.tensor(rows, dtype=torch.int64, device=device) for rows in zip(*pairs))
+    for t in cache.tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

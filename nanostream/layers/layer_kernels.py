@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from nanostream.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
 from nanostream.layers.batch_invariant import invariant_linear, invariant_moe
-from nanostream.layers.delta_rule_fla import VarlenRule
+from nanostream.layers.delta_rule_fla import DecodeRule, VarlenRule
 from nanostream.layers.linear import Gemm
 from nanostream.layers.moe_reference import moe_experts
 from nanostream.layers.moe_spec import MoEFn
@@ -57,6 +57,7 @@ class LayerKernels:
     moe: MoEFn = moe_experts  # the routed experts of the MoE layers
     linear: Gemm = F.linear  # the linear layers' and the LM head's GEMM
     delta_rule: VarlenRule | None = None  # Gated DeltaNet's conv and rule, a step at once; None: the reference
+    delta_decode: DecodeRule | None = None  # the same for a decode step, in place at the state slots
 
     @classmethod
     def for_backend(

@@ -111,8 +111,9 @@ class DecoderLayer(nn.Module):
         self.kind = spec.mixer(layer_idx)
         if self.kind == "gated_deltanet":
             gdn = GatedDeltaNet(
-                spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear, kernels.delta_rule
-            )
+                spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear, kernels.delta_rule,
+                kernels.delta_decode,
+            )  # fmt: skip
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
         else:
