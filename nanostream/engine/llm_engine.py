@@ -91,6 +91,8 @@ class LLMEngine:
             config.enable_prefix_caching,
             states,
             config.state_snapshot_interval,
+            self.runner.spec.kv_window,
+            config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(
             self.block_manager,

@@ -84,6 +84,13 @@ class DecoderSpec:
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window when every layer that keeps KV has one (the KV a sequence still reads is its
+        last ``kv_window`` tokens'); None when one attends to its whole context."""
+        windows = [self.window(i) for i in range(self.num_layers) if self.mixer(i) == "attention"]
+        return max(windows) if windows and None not in windows else None
+
     def mixer(self, layer: int) -> str:
         """Layer ``layer``'s token mixer, one of ``TOKEN_MIXERS``."""
         return self.token_mixers[layer] if self.token_mixers else "attention"
