@@ -30,6 +30,7 @@ GEMMA3_4B = "gemma-3-4b"
 GPT_OSS_20B = "gpt-oss-20b"
 QWEN3_5_9B = "qwen3.5-9b"
 QWEN3_6_35B_A3B = "qwen3.6-35b-a3b"
+QWEN3_6_35B_A3B_FP8 = "qwen3.6-35b-a3b-fp8"
 
 # make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
 # preset has unless it says otherwise) and each model's departures from it.
@@ -210,6 +211,10 @@ PRESETS[QWEN3_8B_FP8] = preset(
     quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                          "weight_block_size": [128, 128]},
 )  # fmt: skip
+
+
+# Qwen3.6-35B-A3B in FP8 (its published -FP8 release's block-wise format), 35 GB: one H100 holds it with room for KV.
+PRESETS[QWEN3_6_35B_A3B_FP8] = preset(PRESETS[QWEN3_6_35B_A3B], quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"])
 
 
 def engine_defaults(preset: str | None) -> dict:
