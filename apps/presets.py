@@ -214,7 +214,9 @@ PRESETS[QWEN3_8B_FP8] = preset(
 
 
 # Qwen3.6-35B-A3B in FP8 (its published -FP8 release's block-wise format), 35 GB: one H100 holds it with room for KV.
-PRESETS[QWEN3_6_35B_A3B_FP8] = preset(PRESETS[QWEN3_6_35B_A3B], quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"])
+PRESETS[QWEN3_6_35B_A3B_FP8] = preset(
+    PRESETS[QWEN3_6_35B_A3B], quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"]
+)
 
 
 def engine_defaults(preset: str | None) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_gated_deltanet import LAYOUTS, SIZES, make_layers, random_states, step_context
 
 from nanostream.kernels.gated_delta_decode import conv_decode, decode_step, delta_rule_decode
@@ -43,12 +42,17 @@ def random_step(batch, slots_total, k_heads, dk, hv, dv, kernel, dtype, device):
     qkv, weight = rand(batch, channels), rand(channels, kernel, scale=0.5)
     g = -torch.rand(batch, hv, generator=gen).to(device) * 0.5
     beta = torch.rand(batch, hv, generator=gen).to(device=device, dtype=dtype)
-    conv_pool, ssm_pool = rand(slots_total, channels, kernel - 1), rand(slots_total, hv, dk, dv, scale=0.2, dt=torch.float32)
+    conv_pool, ssm_pool = (
+        rand(slots_total, channels, kernel - 1),
+        rand(slots_total, hv, dk, dv, scale=0.2, dt=torch.float32),
+    )
     return qkv, g, beta, weight, conv_pool, ssm_pool
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("k_heads", "dk", "hv", "dv", "kernel"), [(2, 16, 4, 24, 4), (1, 32, 1, 32, 2), (2, 16, 6, 16, 3)])
+@pytest.mark.parametrize(
+    ("k_heads", "dk", "hv", "dv", "kernel"), [(2, 16, 4, 24, 4), (1, 32, 1, 32, 2), (2, 16, 6, 16, 3)]
+)
 def test_decode_kernels_match_the_reference_at_each_slot(dtype, k_heads, dk, hv, dv, kernel):
     slots = torch.tensor([5, -1, 0, 3, 6])  # a padding row; slots 1, 2 and 4 belong to nobody
     qkv, g, beta, weight, conv_pool, ssm_pool = random_step(5, 7, k_heads, dk, hv, dv, kernel, dtype, "cpu")
@@ -67,7 +71,9 @@ def test_several_steps_carry_the_state_as_the_reference_does():
     """Eight tokens a step at a time give the reference's eight-token run: outputs and final states."""
     k_heads, dk, hv, dv, kernel, steps = 2, 16, 4, 16, 4, 8
     slots = torch.tensor([2, 0])
-    qkv, g, beta, weight, conv_pool, ssm_pool = random_step(2 * steps, 3, k_heads, dk, hv, dv, kernel, torch.float32, "cpu")
+    qkv, g, beta, weight, conv_pool, ssm_pool = random_step(
+        2 * steps, 3, k_heads, dk, hv, dv, kernel, torch.float32, "cpu"
+    )
     conv0, ssm0 = conv_pool.clone(), ssm_pool.clone()
     outs = []
     for t in range(steps):
