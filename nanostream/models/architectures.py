@@ -61,6 +61,14 @@ class Experts:
     shared_experts_key: str | None = None
     """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
     run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
+    layer_types_key: str | None = None
+    """The config key listing each layer's MLP, ``dense`` or ``sparse`` (GLM-4.7-Flash's ``mlp_layer_types``)."""
+    scoring: str | None = None
+    """grouped_topk: how the family's router always scores (DeepSeek-V2's and Mistral 4's softmax); None: the
+    config's ``scoring_func``."""
+    correction_bias: bool = True
+    """grouped_topk: its ``noaux_tc`` choice adds ``e_score_correction_bias``; False: the family has none (Mistral 4:
+    groups on the plain scores)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,19 @@ class GatedDeltaNetLayers:
     fused_projections: bool = False
     """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
     (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
+
+
+@dataclass(frozen=True)
+class LatentAttentionLayers:
+    """A family whose layers attend through multi-head latent attention (layers/latent_attention.py), shaped by the
+    config's ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``."""
+
+    interleave_key: str | None = "rope_interleave"
+    """The config key saying the rope dims rotate in pairs (2i, 2i + 1) (true when it is absent); None: they always
+    do (DeepSeek-V2's complex rotation)."""
+    query_scale: bool = False
+    """Each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings)) (Mistral 4's
+    ``llama_4_scaling_beta``)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +143,8 @@ class Architecture:
     sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
     gated_deltanet: GatedDeltaNetLayers | None = None
     """Its ``linear_attention`` layers; None: every layer attends."""
+    latent_attention: LatentAttentionLayers | None = None
+    """Every layer attends through multi-head latent attention; None: softmax attention of its own K and V."""
     unused_tensors: tuple[str, ...] = ()
     """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
     tower): not loaded, one log line each."""
@@ -254,6 +277,39 @@ ARCHITECTURES |= {
         ),
     ),
 }  # fmt: skip
+# Multi-head latent attention (DeepSeek's MLA) in every layer, DeepSeek's router: DeepSeek-V3 (R1, V3.1, Kimi K2,
+# Moonlight) with its groups, correction bias, dense first layers and multi-token-prediction layers; GLM-4.7-Flash
+# picking its dense layers by name; DeepSeek-V2 (V2-Lite: no q LoRA) scoring by softmax, greedy, unnormalised (its
+# complex rotation is interleaved pairs); Mistral 4 with softmax scores in groups, no bias, its per-position query
+# scale.
+_DEEPSEEK_EXPERTS = dict(
+    num_experts_key="n_routed_experts", float32_weights=True, sparse_layers=False, router="grouped_topk",
+    scaling_key="routed_scaling_factor", first_dense_key="first_k_dense_replace", shared_experts_key="n_shared_experts",
+)  # fmt: skip
+ARCHITECTURES |= {
+    "DeepseekV3ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True),
+    ),
+    "Glm4MoeLiteForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True, layer_types_key="mlp_layer_types"),
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(interleave_key=None), rope_types=ROPES,
+        fixed_values=(("norm_topk_prob", False),),  # transformers' DeepSeek-V2 never renormalises
+        experts=Experts(**_DEEPSEEK_EXPERTS, renormalize=False, float32_router=True, scoring="softmax"),
+    ),
+    "Mistral4ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(query_scale=True), rope_types=ROPES,
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, scoring="softmax", correction_bias=False),
+    ),
+}  # fmt: skip
+UNSUPPORTED_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer choosing each query's keys) "
+    "is not implemented in nanostream",
+}
+"""Architectures refused by name, with the reason."""
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -89,6 +89,15 @@ def _moe_layers(hf_config: Any, arch_name: str, experts: Experts) -> tuple[int, 
     if experts.first_dense_key is not None:  # DeepSeek's first_k_dense_replace: dense layers, then MoE ones
         first = count(hf_config, experts.first_dense_key, arch_name)
         layers = tuple(i for i in layers if i >= first)
+    if experts.layer_types_key is not None:  # GLM-4.7-Flash's mlp_layer_types: "dense" or "sparse" per layer
+        types = getattr(hf_config, experts.layer_types_key, None)
+        if types is not None:
+            if len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
+                raise ModelLoadError(
+                    f"{arch_name} with {experts.layer_types_key}={types!r}: nanostream needs 'dense' or 'sparse' for "
+                    f"each of its {num_layers} layers"
+                )
+            layers = tuple(i for i in layers if types[i] == "sparse")
     return layers
 
 
@@ -112,7 +121,7 @@ def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: in
     run; {} for another router."""
     if experts.router != "grouped_topk":
         return {}
-    scoring = getattr(hf_config, "scoring_func", None) or "sigmoid"
+    scoring = experts.scoring or getattr(hf_config, "scoring_func", None) or "sigmoid"
     if scoring not in SCORINGS:
         raise ModelLoadError(
             f"{name} with scoring_func={scoring!r} is not supported; nanostream's router scores by "
@@ -139,7 +148,7 @@ def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: in
     return dict(
         router="grouped_topk",
         scoring=scoring,
-        correction_bias=method == "noaux_tc",
+        correction_bias=method == "noaux_tc" and experts.correction_bias,
         groups=groups,
         topk_groups=topk_groups,
         scaling=float(scaling),
