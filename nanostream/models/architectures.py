@@ -4,7 +4,8 @@ language model runs alone (``TEXT_MODELS``).
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
 from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
 come from the config itself (models/config_reader.py reads them into a ``DecoderSpec``); so do the experts
-of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), and
+of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), a
+latent-attention family's MLA shape (``LatentAttentionLayers``, models/latent_config.py), and
 a hybrid family's Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys:
 models/layer_kinds.py).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanostream.models.latent_config import LatentAttentionLayers
+from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
 
 LLAMA_NORMS = LayerNorms()
@@ -27,51 +30,6 @@ ROPES = ("default", "linear", "yarn")
 
 
 @dataclass(frozen=True)
-class Experts:
-    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
-
-    num_experts_key: str = "num_experts"
-    intermediate_key: str = "moe_intermediate_size"
-    """The config key of each expert's intermediate size."""
-    renormalize: bool | None = None
-    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
-    shared_expert: bool = False
-    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
-    sparse_layers: bool = True
-    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
-    float32_weights: bool = False
-    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
-    gpt_oss: bool = False
-    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
-    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
-    interleaved."""
-    router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
-    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
-    correction bias steers the choice; ``greedy``: none, no groups)."""
-    groups: bool = False
-    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
-    scaling_key: str | None = None
-    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
-    float32_router: bool = False
-    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
-    and GLM-4.5); else the model's dtype."""
-    first_dense_key: str | None = None
-    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
-    shared_experts_key: str | None = None
-    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
-    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
-    layer_types_key: str | None = None
-    """The config key listing each layer's MLP, ``dense`` or ``sparse`` (GLM-4.7-Flash's ``mlp_layer_types``)."""
-    scoring: str | None = None
-    """grouped_topk: how the family's router always scores (DeepSeek-V2's and Mistral 4's softmax); None: the
-    config's ``scoring_func``."""
-    correction_bias: bool = True
-    """grouped_topk: its ``noaux_tc`` choice adds ``e_score_correction_bias``; False: the family has none (Mistral 4:
-    groups on the plain scores)."""
-
-
-@dataclass(frozen=True)
 class GatedDeltaNetLayers:
     """A hybrid family's ``linear_attention`` layers (config.json's ``layer_types``): Gated DeltaNet, sized by the
     config's ``linear_*`` keys (layers/gated_deltanet.py)."""
@@ -79,19 +37,6 @@ class GatedDeltaNetLayers:
     fused_projections: bool = False
     """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
     (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
-
-
-@dataclass(frozen=True)
-class LatentAttentionLayers:
-    """A family whose layers attend through multi-head latent attention (layers/latent_attention.py), shaped by the
-    config's ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``."""
-
-    interleave_key: str | None = "rope_interleave"
-    """The config key saying the rope dims rotate in pairs (2i, 2i + 1) (true when it is absent); None: they always
-    do (DeepSeek-V2's complex rotation)."""
-    query_scale: bool = False
-    """Each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings)) (Mistral 4's
-    ``llama_4_scaling_beta``)."""
 
 
 @dataclass(frozen=True)

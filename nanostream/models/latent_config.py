@@ -8,14 +8,30 @@ what nanostream does not run::
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from nanostream.errors import ModelLoadError
 from nanostream.layers.latent_attention import LatentAttentionSpec
 from nanostream.layers.rope_config import _yarn_mscale, rope_spec
 from nanostream.layers.rotary import RopeSpec
-from nanostream.models.architectures import Architecture
 from nanostream.models.moe_config import positive_int
+
+if TYPE_CHECKING:
+    from nanostream.models.architectures import Architecture
+
+
+@dataclass(frozen=True)
+class LatentAttentionLayers:
+    """A family whose layers attend through multi-head latent attention (layers/latent_attention.py), shaped by the
+    config's ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim``."""
+
+    interleave_key: str | None = "rope_interleave"
+    """The config key saying the rope dims rotate in pairs (2i, 2i + 1) (true when it is absent); None: they always
+    do (DeepSeek-V2's complex rotation)."""
+    query_scale: bool = False
+    """Each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings)) (Mistral 4's
+    ``llama_4_scaling_beta``)."""
 
 
 def latent_attention(
