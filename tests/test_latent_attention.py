@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from test_fp8_weights import KEPT_LAYOUTS, LAYOUTS, quantize, write_fp8
 from test_hf_parity import greedy, hf_greedy, random_prompts
 from test_tp import in_threads
 
@@ -194,9 +195,10 @@ def test_a_multi_token_prediction_layer_is_skipped(dirs, tmp_path):
     assert outs[0] == outs[1]
 
 
-def step_logits(spec, path, tp: TensorParallel):
+def step_logits(spec, path, tp: TensorParallel, keep_fp8: bool | None = None):
     """One mixed step (a 30-token prompt, a decode row over 9 cached tokens, a 3-token prompt) on ``tp``'s shard."""
-    model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp)
+    model = load_model(spec, LayerKernels(TorchAttention()), path, dtype=torch.float32, device=CPU, tp=tp,
+                       keep_fp8=keep_fp8)  # fmt: skip
     caches = allocate_caches(CacheLayout(model.cache_specs()), num_blocks=16, block_size=8, kv_dtype=torch.float32,
                              num_slots=0, model_dtype=torch.float32, device=CPU)  # fmt: skip
     chunks = []
@@ -228,3 +230,42 @@ def test_two_ranks_split_the_heads_keep_the_latent_whole_and_give_one_ranks_logi
         assert model.cache_specs() == whole.cache_specs()  # the same entry on every rank
     torch.testing.assert_close(out[0][1], expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[0][1].argmax(-1), expected.argmax(-1))
+
+
+def write_deepseek_fp8(src, tmp_path, layout) -> None:
+    """``tmp_path / "fp8"``: ``src`` as DeepSeek-V3's FP8 checkpoints store it (kv_a_proj_with_mqa quantized too),
+    ``tmp_path / "twin"`` its dequantized weights."""
+    write_fp8(src, tmp_path / "fp8", tmp_path / "twin", layout)
+    stored, twin = (load_file(tmp_path / d / "model.safetensors") for d in ("fp8", "twin"))
+    for name in [n for n in stored if n.endswith("kv_a_proj_with_mqa.weight")]:
+        stored[name], stored[name + layout.scale], twin[name] = quantize(stored[name], layout)
+    for d, tensors in (("fp8", stored), ("twin", twin)):
+        save_file(tensors, tmp_path / d / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_deepseek_v3s_fp8_block_checkpoint_gives_transformers_greedy_ids_on_its_dequantized_weights(dirs, tmp_path, hf):
+    # Its layout: quant_method "fp8", weight_scale_inv per block (48 x 40 here: partial blocks at every edge) on
+    # every projection (q_a, q_b, kv_a_proj_with_mqa, kv_b, o, the experts', the shared experts', the dense MLP's),
+    # the router and its float32 e_score_correction_bias as they are.
+    write_deepseek_fp8(dirs["deepseek_v3"], tmp_path, LAYOUTS["fp8-block"])
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    for name in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "mlp.experts.0.up_proj",
+                 "mlp.shared_experts.down_proj"):  # fmt: skip
+        assert stored[f"model.layers.1.{name}.weight"].dtype == torch.float8_e4m3fn
+        assert f"model.layers.1.{name}.weight_scale_inv" in stored
+    assert stored["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    prompts = random_prompts([1, 40, 90], seed=57)
+    llm = LLM(str(tmp_path / "fp8"), device="cpu", dtype="float32", kvcache_block_size=16)
+    assert_matches(hf(tmp_path / "twin"), prompts, llm.generate(prompts, greedy(10), use_tqdm=False), 10)
+
+
+def test_kept_fp8_projections_compute_what_dequantized_ones_do_and_kv_b_stays_in_the_models_dtype(dirs, tmp_path):
+    layout = KEPT_LAYOUTS["fp8-block-aligned"]  # blocks of 16 x 16: q_b, o and the dense MLP keep them
+    write_deepseek_fp8(dirs["deepseek_v3"], tmp_path, layout)
+    spec = decoder_spec(transformers.AutoConfig.from_pretrained(tmp_path / "fp8"), max_model_len=256)
+    model, logits = step_logits(spec, tmp_path / "fp8", SINGLE, keep_fp8=True)
+    _, expected = step_logits(spec, tmp_path / "fp8", SINGLE, keep_fp8=False)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_b_proj.fp8_block == (16, 16) and attn.o_proj.fp8_block == (16, 16)
+    assert attn.kv_b_proj.fp8_block is None and attn.kv_b_proj.weight.dtype == torch.float32  # read as W_UK, W_UV
+    torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
