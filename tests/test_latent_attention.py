@@ -25,6 +25,7 @@ from nanostream.engine.runner.kv_pool import WarmupChunk
 from nanostream.engine.runner.step_inputs import pack_step
 from nanostream.engine.sequence import Sequence
 from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
+from nanostream.kernels.mla_decode import paged_mla_decode
 from nanostream.layers.attention import ForwardContext
 from nanostream.layers.attention_backend import TorchAttention
 from nanostream.layers.cache_spec import LatentCache, PagedLatent
@@ -269,3 +270,32 @@ def test_kept_fp8_projections_compute_what_dequantized_ones_do_and_kv_b_stays_in
     assert attn.q_b_proj.fp8_block == (16, 16) and attn.o_proj.fp8_block == (16, 16)
     assert attn.kv_b_proj.fp8_block is None and attn.kv_b_proj.weight.dtype == torch.float32  # read as W_UK, W_UV
     torch.testing.assert_close(logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_triton_backend_runs_the_mla_kernels_and_matches_hf(dirs, hf):
+    # Under Triton's interpreter on CPU (a short workload): the latent store and the paged MLA decode kernel.
+    path = dirs["deepseek_v3"]
+    prompts = random_prompts([1, 40], seed=58)
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="triton", kvcache_block_size=8,
+              max_num_batched_tokens=32, max_num_seqs=4)  # fmt: skip
+    assert llm.engine.runner.model.model.layers[0].self_attn.kernels.decode is paged_mla_decode
+    assert_matches(hf(path), prompts, llm.generate(prompts, greedy(5), use_tqdm=False), 5)
+
+
+@pytest.mark.parametrize("preset", ["moonlight-16b-a3b", "deepseek-v2-lite"])
+def test_the_16b_mla_presets_read_as_their_published_configs(preset, load_app, tmp_path):
+    presets = load_app("presets")
+    path = make_tiny_model(tmp_path, **presets.PRESETS[preset])  # config.json alone (load_format="dummy")
+    spec = decoder_spec(transformers.AutoConfig.from_pretrained(path), max_model_len=4096)
+    mla = spec.latent_attention
+    assert (spec.num_layers, spec.num_heads, mla.q_lora_rank, mla.width, mla.v_head_dim) == (27, 16, None, 576, 128)
+    assert spec.moe.layers == tuple(range(1, 27)) and spec.moe.shared_expert_intermediate_size == 2 * 1408
+    if preset == "moonlight-16b-a3b":
+        assert (spec.moe.scoring, spec.moe.correction_bias, spec.moe.scaling) == ("sigmoid", True, 2.446)
+        assert mla.scale == 192**-0.5 and spec.rope.theta == 50000.0
+    else:  # YaRN's mscale(40, 0.707) twice in the softmax scale, the tables' factor mscale / mscale_all_dim = 1
+        assert (spec.moe.scoring, spec.moe.correction_bias, spec.moe.renormalize) == ("softmax", False, False)
+        mscale = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1
+        assert mla.scale == pytest.approx(192**-0.5 * mscale**2) and spec.rope.scaling.attention_factor == 1.0
+    # a token's cache: 576 values a layer, against 16 heads x (192 + 128) for the same shape with plain attention
+    assert 16 * (192 + 128) / mla.width == pytest.approx(8.9, abs=0.05)
