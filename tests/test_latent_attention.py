@@ -9,6 +9,7 @@ nanostream does not run is refused by name.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -299,3 +300,57 @@ def test_the_16b_mla_presets_read_as_their_published_configs(preset, load_app, t
         assert mla.scale == pytest.approx(192**-0.5 * mscale**2) and spec.rope.scaling.attention_factor == 1.0
     # a token's cache: 576 values a layer, against 16 heads x (192 + 128) for the same shape with plain attention
     assert 16 * (192 + 128) / mla.width == pytest.approx(8.9, abs=0.05)
+
+
+@pytest.mark.slow
+def test_two_rank_engines_match_hf_through_chunks_hits_and_preemption(dirs, hf):
+    # Worker processes over gloo: rank 0 schedules, each rank attends with its half of the heads over its own copy of
+    # the latent pages (the same block ids).
+    path = dirs["glm4_moe_lite"]
+    shared = random_prompts([40], seed=59)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=60)]
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
+                   num_kvcache_blocks=14)  # fmt: skip
+    with LLM(str(path), tensor_parallel_size=2, **options) as llm:
+        outputs = llm.generate(prompts[:1], greedy(20), use_tqdm=False) + llm.generate(
+            prompts[1:], greedy(20), use_tqdm=False
+        )
+        stats = llm.engine.stats()
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_matches(hf(path), prompts, outputs, 20)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_streams_through_serve_and_the_openai_client(dirs, hf, tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+    from test_service import free_port
+
+    path = dirs["deepseek_v3"]
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanostream", "serve", str(path), "--device", "cpu", "--max-model-len", "256",
+           "--kvcache-block-size", "16", "--openai-port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []  # what serve prints up to its ready line
+    try:
+        while not (said and said[-1].startswith("nanostream engine ready at ")):
+            said.append(proc.stdout.readline())
+            assert said[-1], f"no engine came up: {proc.stderr.read()}"
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=20)
+        prompt = random_prompts([40], seed=61)[0]
+        stream = api.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                        extra_body={"min_tokens": 24})  # fmt: skip
+        chunks = [c.choices[0].text for c in stream if c.choices]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0
+    assert re.search(r"cache: [\d,]+ KV blocks of 16 tokens \(3 latent attention layers\)", "".join(said)), said
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert len(chunks) > 5
+    assert "".join(chunks) == tokenizer.decode(hf_greedy(hf(path), prompt, 24), skip_special_tokens=True)
