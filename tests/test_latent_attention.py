@@ -354,3 +354,9 @@ def test_deepseek_v3_streams_through_serve_and_the_openai_client(dirs, hf, tmp_p
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     assert len(chunks) > 5
     assert "".join(chunks) == tokenizer.decode(hf_greedy(hf(path), prompt, 24), skip_special_tokens=True)
+
+
+def test_the_batch_invariant_mode_is_refused_for_latent_attention(dirs):
+    # a decode row attends absorbed, a recomputed one (after a preemption) expanded: not the same arithmetic
+    with pytest.raises(ValueError, match="batch_invariant does not run latent attention"):
+        LLM(str(dirs["deepseek_v3"]), device="cpu", dtype="float32", batch_invariant=True)
