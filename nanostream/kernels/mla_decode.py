@@ -13,6 +13,8 @@ folded into the scores' scale and the output.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,9 @@ from nanostream.kernels._device import LOG2E, num_sms, pdl_launch
 from nanostream.kernels.decode_attention import MAX_SPLITS, _merge_kernel
 from nanostream.kernels.fp8_kv import FP8_KV_DTYPE
 from nanostream.kernels.store_kv import quantize_fp8
-from nanostream.layers.cache_spec import LatentCache
+
+if TYPE_CHECKING:
+    from nanostream.layers.cache_spec import LatentCache
 
 BLOCK_H = 16  # heads a program (tl.dot's smallest M)
 
