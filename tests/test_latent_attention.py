@@ -161,8 +161,8 @@ def test_each_declaration_reads_its_latent_attention_and_experts():
         ("DeepseekV2ForCausalLM", dict(topk_method="group_limited_greedy"), "topk_method='group_limited_greedy'"),
         ("DeepseekV2ForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob=True is not supported"),
         ("Glm4MoeLiteForCausalLM", dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types=.*'dense' or"),
-        ("Mistral4ForCausalLM", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)),
-         "need llama_4_scaling_beta"),
+        ("Mistral4ForCausalLM", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                          llama_4_scaling_beta=0.1)), "need llama_4_scaling_beta"),
     ],
 )  # fmt: skip
 def test_a_config_nanostream_does_not_run_is_refused_naming_the_value(name, overrides, message):

@@ -30,8 +30,8 @@ class LatentAttentionLayers:
     """The config key saying the rope dims rotate in pairs (2i, 2i + 1) (true when it is absent); None: they always
     do (DeepSeek-V2's complex rotation)."""
     query_scale: bool = False
-    """Each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings)) (Mistral 4's
-    ``llama_4_scaling_beta``)."""
+    """Each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings)) where the rope parameters give
+    beta (Mistral 4's ``llama_4_scaling_beta``)."""
 
 
 def latent_attention(
@@ -52,7 +52,7 @@ def latent_attention(
         q_lora = positive_int(hf_config, "q_lora_rank", name)
     params = dict(params)
     partial = params.pop("partial_rotary_factor", None)
-    if partial is not None and int((nope + rope) * partial) != rope:  # Mistral 4 says it so: rope / (nope + rope)
+    if partial is not None and round((nope + rope) * partial) != rope:  # Mistral 4 says it so: rope / (nope + rope)
         raise ModelLoadError(
             f"{name} with partial_rotary_factor={partial} is not supported; its heads rotate qk_rope_head_dim "
             f"({rope}) of their {nope + rope} dims"
@@ -63,12 +63,13 @@ def latent_attention(
     )  # fmt: skip
     interleaved = True if layers.interleave_key is None else bool(getattr(hf_config, layers.interleave_key, True))
     beta = period = None
-    if layers.query_scale:  # Mistral 4: each query times 1 + beta log(1 + floor(pos / original_max_position))
-        beta, period = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if layers.query_scale and params.get("llama_4_scaling_beta") is not None:
+        # Mistral 4: each query times 1 + beta log(1 + floor(pos / original_max_position_embeddings))
+        beta, period = params["llama_4_scaling_beta"], params.get("original_max_position_embeddings")
         if not isinstance(beta, int | float) or not isinstance(period, int) or period < 1:
             raise ModelLoadError(
                 f"{name}'s rope parameters need llama_4_scaling_beta (a number) and original_max_position_embeddings "
-                f"(a positive integer), not {beta!r} and {period!r}"
+                f"(a positive integer) with it, not {beta!r} and {period!r}"
             )
     spec = LatentAttentionSpec(
         q_lora_rank=q_lora,
