@@ -4,7 +4,8 @@ language model runs alone (``TEXT_MODELS``).
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
 from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
 come from the config itself (models/config_reader.py reads them into a ``DecoderSpec``); so do the experts
-of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), and
+of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), a
+latent-attention family's MLA shape (``LatentAttentionLayers``, models/latent_config.py), and
 a hybrid family's Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys:
 models/layer_kinds.py).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanostream.models.latent_config import LatentAttentionLayers
+from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
 
 LLAMA_NORMS = LayerNorms()
@@ -24,43 +27,6 @@ GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_atte
 OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 ROPES = ("default", "linear", "yarn")
 """The rope types of transformers' generic rotary embedding that a family's configs use."""
-
-
-@dataclass(frozen=True)
-class Experts:
-    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
-
-    num_experts_key: str = "num_experts"
-    intermediate_key: str = "moe_intermediate_size"
-    """The config key of each expert's intermediate size."""
-    renormalize: bool | None = None
-    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
-    shared_expert: bool = False
-    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
-    sparse_layers: bool = True
-    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
-    float32_weights: bool = False
-    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
-    gpt_oss: bool = False
-    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
-    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
-    interleaved."""
-    router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
-    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
-    correction bias steers the choice; ``greedy``: none, no groups)."""
-    groups: bool = False
-    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
-    scaling_key: str | None = None
-    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
-    float32_router: bool = False
-    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
-    and GLM-4.5); else the model's dtype."""
-    first_dense_key: str | None = None
-    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
-    shared_experts_key: str | None = None
-    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
-    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +88,8 @@ class Architecture:
     sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
     gated_deltanet: GatedDeltaNetLayers | None = None
     """Its ``linear_attention`` layers; None: every layer attends."""
+    latent_attention: LatentAttentionLayers | None = None
+    """Every layer attends through multi-head latent attention; None: softmax attention of its own K and V."""
     unused_tensors: tuple[str, ...] = ()
     """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
     tower): not loaded, one log line each."""
@@ -254,6 +222,39 @@ ARCHITECTURES |= {
         ),
     ),
 }  # fmt: skip
+# Multi-head latent attention (DeepSeek's MLA) in every layer, DeepSeek's router: DeepSeek-V3 (R1, V3.1, Kimi K2,
+# Moonlight) with its groups, correction bias, dense first layers and multi-token-prediction layers; GLM-4.7-Flash
+# picking its dense layers by name; DeepSeek-V2 (V2-Lite: no q LoRA) scoring by softmax, greedy, unnormalised (its
+# complex rotation is interleaved pairs); Mistral 4 with softmax scores in groups, no bias, its per-position query
+# scale.
+_DEEPSEEK_EXPERTS = dict(
+    num_experts_key="n_routed_experts", float32_weights=True, sparse_layers=False, router="grouped_topk",
+    scaling_key="routed_scaling_factor", first_dense_key="first_k_dense_replace", shared_experts_key="n_shared_experts",
+)  # fmt: skip
+ARCHITECTURES |= {
+    "DeepseekV3ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True),
+    ),
+    "Glm4MoeLiteForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True, layer_types_key="mlp_layer_types"),
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(interleave_key=None), rope_types=ROPES,
+        fixed_values=(("norm_topk_prob", False),),  # transformers' DeepSeek-V2 never renormalises
+        experts=Experts(**_DEEPSEEK_EXPERTS, renormalize=False, float32_router=True, scoring="softmax"),
+    ),
+    "Mistral4ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(query_scale=True), rope_types=ROPES,
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, scoring="softmax", correction_bias=False),
+    ),
+}  # fmt: skip
+UNSUPPORTED_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer choosing each query's keys) "
+    "is not implemented in nanostream",
+}
+"""Architectures refused by name, with the reason."""
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -19,6 +19,7 @@ from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
+from nanostream.models.latent_config import latent_attention
 from nanostream.models.layer_kinds import attention_output_gate, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
@@ -26,10 +27,13 @@ from nanostream.models.quantization import fp8_spec
 from nanostream.models.spec import DecoderSpec
 
 
-def _rope_params(hf_config: Any) -> dict:
-    # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta.
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return dict(params)
+def _rope_params(hf_config: Any, with_theta: Any = None) -> dict:
+    # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta
+    # (``with_theta``: the config to take it from, there).
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if with_theta is not None and "rope_theta" not in params and getattr(with_theta, "rope_theta", None) is not None:
+        params["rope_theta"] = with_theta.rope_theta
+    return params
 
 
 def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
@@ -126,16 +130,21 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
             f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
             f"{', '.join(ACTIVATIONS)}"
         )
-    rope, sliding_rope = _ropes(hf_config, name, arch)
     num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    mla = mixers = gated_deltanet = None
+    if arch.latent_attention is not None:  # every layer: its rope dims are the head_dim the rotary tables know
+        mla, rope = latent_attention(hf_config, name, arch, _rope_params(hf_config, hf_config))
+        sliding_rope, head_dim, mixers = None, mla.qk_rope_head_dim, ("latent_attention",) * hf_config.num_hidden_layers
+    else:
+        rope, sliding_rope = _ropes(hf_config, name, arch)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        mixers, gated_deltanet = token_mixers(hf_config, name, arch)
     attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
     windows = _layer_windows(hf_config, name, arch, max_model_len)
     moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
-    mixers, gated_deltanet = token_mixers(hf_config, name, arch)
     return DecoderSpec(
         architecture=name,
         quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
@@ -167,6 +176,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         rope_layers=_rope_layers(hf_config, name, arch),
         token_mixers=mixers,
         gated_deltanet=gated_deltanet,
+        latent_attention=mla,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
         unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
     )

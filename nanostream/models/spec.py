@@ -2,8 +2,9 @@
 ``LayerNorms``, where a family's norms sit in a layer. Plain values: the decoder (models/decoder.py), its sharding
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
 
-Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py) or Gated DeltaNet
-(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5), each declaring its cache.
+Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py), Gated DeltaNet
+(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5) or multi-head latent attention
+(layers/latent_attention.py: DeepSeek's MLA), each declaring its cache.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
+from nanostream.layers.latent_attention import LatentAttentionSpec
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.quantization import Fp8Spec
 
-TOKEN_MIXERS = ("attention", "gated_deltanet")
+TOKEN_MIXERS = ("attention", "gated_deltanet", "latent_attention")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class DecoderSpec:
     token_mixers: tuple[str, ...] = ()
     """Each layer's token mixer, one of ``TOKEN_MIXERS``; empty: attention in every layer."""
     gated_deltanet: GatedDeltaNetSpec | None = None  # the Gated DeltaNet layers' shape
+    latent_attention: LatentAttentionSpec | None = None
+    """The latent attention layers' shape (then ``head_dim`` is their rotated dims, qk_rope_head_dim)."""
     attn_output_gate: bool = False  # q_proj gives each head [query D | gate D]; the output times sigmoid(gate)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from nanostream.testing.tiny_latent import LATENT_ARCHITECTURES, LATENT_PRESETS, TINY_LATENT
 from nanostream.testing.tokenizer import build_tokenizer
 
 TINY_ARCHITECTURES = (
@@ -36,6 +37,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
+    *LATENT_ARCHITECTURES,
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
 # the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
@@ -166,6 +168,7 @@ TINY_PRESETS: dict[str, dict] = {
     "qwen3_5_vl": dict(architecture="Qwen3_5ForConditionalGeneration", seed=22),  # with a vision tower
     "glm4_moe": dict(architecture="Glm4MoeForCausalLM", seed=23, tie_word_embeddings=False),
     "minimax_m2": dict(architecture="MiniMaxM2ForCausalLM", seed=24, tie_word_embeddings=False),
+    **LATENT_PRESETS,
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
@@ -215,6 +218,7 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(_TINY_DENSE.get(architecture, {}))
     kwargs.update(_TINY_HYBRID.get(architecture, {}))
+    kwargs.update(TINY_LATENT.get(architecture, {}))
     if architecture == "Qwen3_5MoeForCausalLM":
         kwargs.pop("intermediate_size")  # every layer is MoE: its configs have none
     kwargs.update(config_overrides)

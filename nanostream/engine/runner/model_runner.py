@@ -64,6 +64,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype(config)  # the KV pool's: the model's, or float8 e4m3
         self.block_size = config.kvcache_block_size
         self.spec = spec
+        if config.batch_invariant and spec.latent_attention is not None:  # decode absorbed, prompt rows expanded
+            raise ValueError("batch_invariant does not run latent attention (MLA) yet: leave batch_invariant off")
         self.vocab_size = self.spec.vocab_size
         self.device_wait_seconds = 0.0  # the host waiting for the device in collect(), summed
         self.tp, self.control = tp, control
