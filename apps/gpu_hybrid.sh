@@ -6,7 +6,8 @@
 #                                   #   bf16 on an H200) shapes, dummy weights, the same call, ~7 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
-#   bash apps/gpu_hybrid.sh mla     # Moonlight-16B-A3B (bf16, dummy): the bench workload and batch 1, the pool's size
+#   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
+#                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
 stage=${1:?usage: gpu_hybrid.sh tests|bench|long|turns|mla}
@@ -64,6 +65,7 @@ turns)
             | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
     done ;;
 mla)
+    timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b
     bench moonlight-b1 moonlight-16b-a3b --num-requests 1 --min-input-len 128 --max-input-len 128 \
         --min-output-len 512 --max-output-len 512
