@@ -88,6 +88,10 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
             children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
             processes = f" ({workers} server processes)" if workers > 1 else ""
             print(f"nanostream: {what} at http://{args.host}:{port}{path}{processes}", flush=True)
+            if name == "openai":
+                from nanostream.frontends.openai_server.routes import describe_routes  # (no FastAPI import)
+
+                print(describe_routes(), flush=True)
         while not stopping:
             if engine.proc.poll() is not None:
                 return _ended("the engine", engine.proc.returncode)

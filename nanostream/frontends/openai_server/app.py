@@ -31,6 +31,7 @@ from nanostream.frontends.openai_server.metrics import Metrics
 from nanostream.frontends.openai_server.openai_responses import ResponsesAPI
 from nanostream.frontends.openai_server.protocol import APIError, api_error
 from nanostream.frontends.openai_server.response_store import ResponseStore
+from nanostream.frontends.openai_server.routes import ROUTES
 from nanostream.frontends.openai_server.tokenization import Tokenization, version
 from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool_parser
 
@@ -232,18 +233,7 @@ def create_app(
         app.add_exception_handler(kind, error)
 
     v1 = {"dependencies": [Depends(server.check_key), Depends(server.check_engine)]}
-    app.get("/v1/models", **v1)(server.models)
-    app.get("/v1/models/{model:path}", **v1)(server.model)
-    app.post("/v1/completions", **v1)(server.completions)
-    app.post("/v1/chat/completions", **v1)(server.chat_completions)
-    app.post("/v1/responses", **v1)(server.create_response)
-    app.get("/v1/responses/{response_id}", **v1)(server.get_response)
-    app.delete("/v1/responses/{response_id}", **v1)(server.delete_response)
-    app.post("/v1/messages", **v1)(server.create_message)
-    app.post("/v1/messages/count_tokens", **v1)(server.count_tokens)
-    app.post("/tokenize", **v1)(server.tokenize)
-    app.post("/detokenize", **v1)(server.detokenize)
-    app.get("/version")(version)
-    app.get("/health")(server.health)
-    app.get("/metrics")(server.prometheus)
+    for route in ROUTES:  # (routes.py: what `nanostream serve` lists)
+        handler = version if route.handler == "version" else getattr(server, route.handler)
+        app.add_api_route(route.path, handler, methods=[route.method], **(v1 if route.v1 else {}))
     return app
