@@ -93,6 +93,7 @@ class Generation:
             top_logprobs=top_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
+            token_ids=body.return_token_ids,
         )
 
     async def _respond(self, request: Request, body: BaseRequest, stream: Stream, reply: Reply) -> Response:

@@ -34,6 +34,7 @@ UNSUPPORTED: dict[str, str] = {
     "documents": "this server's templates take no documents",
     "mm_processor_kwargs": "this server serves text models",
     "prompt_embeds": "send the prompt as text or token ids",
+    "prompt_logprobs_temperature": "prompt logprobs are the model's own distribution (temperature 1)",
 }
 _CHAT_ONLY = {"continue_final_message": "it is for /v1/chat/completions; a completion always continues its prompt"}
 
