@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nanostream.protocol import Usage
 
 PromptLogprobs = list[dict[int, float] | None]
@@ -107,6 +109,16 @@ class StreamChunk:
     index: int = 0  # which sample (``n`` > 1: the samples' chunks interleave)
     reasoning_content: str = ""  # with a reasoning parser: new reasoning (``text`` is new content)
     prompt_logprobs: PromptLogprobs | None = None  # on a sample's first chunk, when asked for
+    embedding: bytes | None = None  # SamplingParams.embed: the prompt's pooled hidden state (float32), raw
+
+
+@dataclass
+class Embeddings:
+    """What ``AsyncClient.embed`` returns: one vector per prompt (float32, normalised as the model says),
+    in order, and the tokens of the prompts."""
+
+    vectors: list[np.ndarray]
+    prompt_tokens: int
 
 
 @dataclass

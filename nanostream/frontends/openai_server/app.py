@@ -24,6 +24,7 @@ from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.frontends.engine_wait import EngineWait
 from nanostream.frontends.openai_server.anthropic_messages import MessagesAPI
+from nanostream.frontends.openai_server.embeddings import EmbeddingsAPI
 from nanostream.frontends.openai_server.generation import Generation
 from nanostream.frontends.openai_server.logprobs import TokenText
 from nanostream.frontends.openai_server.messages_protocol import anthropic_error
@@ -38,7 +39,7 @@ from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool
 log = logging.getLogger(__name__)
 
 
-class _Server(Generation, ResponsesAPI, MessagesAPI, Tokenization):
+class _Server(Generation, ResponsesAPI, MessagesAPI, EmbeddingsAPI, Tokenization):
     """The routes' shared state: one AsyncClient, the served name, the API key, the metrics, the parsers."""
 
     reasoning_parser: str | None = None

@@ -126,6 +126,7 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "logprobs",
     "logit_bias",
     "structured_outputs",
+    "embed",  # (/v1/embeddings')
 }
 
 

@@ -23,6 +23,7 @@ ROUTES = (
     Route("DELETE", "/v1/responses/{response_id}", "delete_response"),
     Route("POST", "/v1/messages", "create_message"),
     Route("POST", "/v1/messages/count_tokens", "count_tokens"),
+    Route("POST", "/v1/embeddings", "embeddings"),
     Route("POST", "/tokenize", "tokenize"),
     Route("POST", "/detokenize", "detokenize"),
     Route("GET", "/version", "version", v1=False),
