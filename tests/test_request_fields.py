@@ -19,6 +19,7 @@ from helpers import API_KEY, engine_processes, serve_http
 from nanostream import LLM, SamplingParams
 from nanostream.frontends.openai_server import create_app
 from nanostream.frontends.openai_server.chat_protocol import ChatRequest
+from nanostream.frontends.openai_server.embeddings import EmbeddingRequest
 from nanostream.frontends.openai_server.messages_protocol import UNSUPPORTED as MESSAGES_UNSUPPORTED
 from nanostream.frontends.openai_server.messages_protocol import MessagesRequest
 from nanostream.frontends.openai_server.protocol import CompletionRequest
@@ -195,6 +196,9 @@ OTHER_CHECKS = {  # field -> the test (in this repository) that proves it is hon
     "system": "test_dialect_fields_match_the_chat_route",
     "stop_sequences": "test_messages_api.py::test_max_tokens_and_stop_sequences",
     "thinking": "test_messages_api.py::test_thinking_blocks",
+    # /v1/embeddings
+    "encoding_format": "test_embeddings.py::test_base64_and_dimensions",
+    "dimensions": "test_embeddings.py::test_base64_and_dimensions (and refused where the model does not allow it)",
 }
 REFUSED = {"suffix": "x", "best_of": 2}  # fields of the models that take only their inert value
 
@@ -204,7 +208,7 @@ def test_every_field_has_a_check():
         "temperature", "seed", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "ignore_eos",
         "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
     }  # fmt: skip
-    models = [CompletionRequest, ChatRequest, ResponsesRequest, MessagesRequest]
+    models = [CompletionRequest, ChatRequest, ResponsesRequest, MessagesRequest, EmbeddingRequest]
     fields = {name for m in models for name in m.model_fields}
     unchecked = fields - sampling - set(OTHER_CHECKS) - set(REFUSED)
     assert not unchecked, f"fields with no check of being honoured or refused: {sorted(unchecked)}"
