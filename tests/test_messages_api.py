@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import anthropic
 import jsonschema
 import pytest
-from helpers import API_KEY, engine_processes, serve_http
+from helpers import API_KEY, forced, serve_http
 
 from nanostream.frontends.openai_server import create_app
 
@@ -26,14 +26,8 @@ TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def forced(text: str) -> dict:
-    return {"structured_outputs": {"choice": [text], "enable_in_reasoning": True}, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def engine(qwen3_dir) -> Iterator[str]:
-    with engine_processes(str(qwen3_dir), {"main": dict(kvcache_block_size=16, device="cpu")}) as started:
-        yield started["main"].address
+def scripted(text: str) -> dict:
+    return forced(text, temperature=0)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def claude(url) -> anthropic.Anthropic:
 
 
 def test_text_whole_and_streamed(claude, model):
-    args = dict(model=model, max_tokens=30, messages=ASK, extra_body=forced("It is sunny."))
+    args = dict(model=model, max_tokens=30, messages=ASK, extra_body=scripted("It is sunny."))
     whole = claude.messages.create(**args)
     assert [b.type for b in whole.content] == ["text"] and whole.content[0].text == "It is sunny."
     assert (whole.stop_reason, whole.role, whole.type) == ("end_turn", "assistant", "message")
@@ -63,7 +57,7 @@ def test_text_whole_and_streamed(claude, model):
 
 
 def test_raw_event_order(http, model):
-    body = dict(model=model, max_tokens=30, messages=ASK, stream=True, **forced("Sunny."))
+    body = dict(model=model, max_tokens=30, messages=ASK, stream=True, **scripted("Sunny."))
     with http.stream("POST", "/v1/messages", json=body) as r:
         names = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
     assert names[:2] == ["message_start", "content_block_start"] and set(names[2:-3]) == {"content_block_delta"}
@@ -74,7 +68,11 @@ def test_max_tokens_and_stop_sequences(claude, model):
     cut = claude.messages.create(model=model, max_tokens=3, messages=ASK)
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
     stopped = claude.messages.create(
-        model=model, max_tokens=30, messages=ASK, stop_sequences=["sun"], extra_body=forced("It is sunny.")
+        model=model,
+        max_tokens=30,
+        messages=ASK,
+        stop_sequences=["sun"],
+        extra_body=scripted("It is sunny."),
     )
     assert (stopped.content[0].text, stopped.stop_reason, stopped.stop_sequence) == ("It is ", "stop_sequence", "sun")
 
@@ -91,14 +89,14 @@ def test_a_tool_round_trip(claude, model):
     assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(use.name, use.input)]
     result = {"type": "tool_result", "tool_use_id": use.id, "content": json.dumps({"temp": 21})}
     history = [*ASK, {"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
-    answer = claude.messages.create(**{**args, "messages": history, "extra_body": forced("21 C in Paris.")})
+    answer = claude.messages.create(**{**args, "messages": history, "extra_body": scripted("21 C in Paris.")})
     assert answer.content[0].text == "21 C in Paris."
     counted = claude.messages.count_tokens(model=model, messages=history, tools=[TOOL])
     assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
 
 
 def test_thinking_blocks(claude, model):
-    script = forced("<think>\nA question.\n</think>\n\nSunny.")
+    script = scripted("<think>\nA question.\n</think>\n\nSunny.")
     args = dict(model=model, max_tokens=2000, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024})
     whole = claude.messages.create(**args, extra_body=script)
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content] == [

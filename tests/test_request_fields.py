@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers import API_KEY, engine_processes, serve_http
+from helpers import API_KEY, serve_http
 
 from nanostream import LLM, SamplingParams
 from nanostream.frontends.openai_server import create_app
@@ -37,14 +37,8 @@ USER = [{"role": "user", "content": "Tell me a story"}]
 
 
 @pytest.fixture(scope="module")
-def engine(qwen3_dir) -> Iterator[str]:
-    with engine_processes(str(qwen3_dir), {"main": ENGINE_OPTIONS}) as started:
-        yield started["main"].address
-
-
-@pytest.fixture(scope="module")
 def url(engine) -> Iterator[str]:
-    base, stop = serve_http(create_app(engine, api_key=API_KEY, reasoning_parser="qwen3"))
+    base, stop = serve_http(create_app(engine, api_key=API_KEY))
     yield base
     stop()
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
-from helpers import API_KEY, engine_processes, serve_http
+from helpers import API_KEY, forced, serve_http
 
 from nanostream.frontends.openai_server import create_app
 from nanostream.frontends.openai_server.response_store import ResponseStore
@@ -25,16 +25,6 @@ WEATHER = {
     "required": ["city", "unit"],
 }
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}
-
-
-def forced(text: str) -> dict:
-    return {"structured_outputs": {"choice": [text], "enable_in_reasoning": True}}
-
-
-@pytest.fixture(scope="module")
-def engine(qwen3_dir) -> Iterator[str]:
-    with engine_processes(str(qwen3_dir), {"main": dict(kvcache_block_size=16, device="cpu")}) as started:
-        yield started["main"].address
 
 
 @pytest.fixture(scope="module")
