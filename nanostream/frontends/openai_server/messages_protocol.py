@@ -67,8 +67,9 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: Thinking | None = None
-    # vLLM's extension (the anthropic package's extra_body)
+    # vLLM's extensions (the anthropic package's extra_body)
     structured_outputs: dict[str, Any] | None = None
+    ignore_eos: bool | None = None  # (benchmarks: every request its max_tokens)
 
     def check(self, reasoning: bool) -> None:
         check_extra_fields(self.model_extra, UNSUPPORTED, IGNORED, "Messages")
@@ -93,6 +94,7 @@ class MessagesRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            ignore_eos=self.ignore_eos,
             structured_outputs=self.structured_outputs,
             tools=self.chat_tools(),
         )

@@ -78,6 +78,7 @@ class ResponsesRequest(BaseModel):
     # vLLM's extensions (the openai package's extra_body)
     seed: Int64 | None = None
     top_k: Int64 | None = None
+    ignore_eos: bool | None = None  # (benchmarks: every request its max_output_tokens)
     structured_outputs: dict[str, Any] | None = None
 
     def check(self) -> None:
@@ -93,6 +94,7 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             seed=self.seed,
             top_k=self.top_k,
+            ignore_eos=self.ignore_eos,
             structured_outputs=self.structured_outputs,
             parallel_tool_calls=self.parallel_tool_calls,
             tools=self.chat_tools(),
