@@ -176,3 +176,17 @@ def test_pooling_nanostream_does_not_run_is_refused_at_load(tmp_path, qwen3_dir)
     (tmp_path / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Dense", "path": "2"}]))
     with pytest.raises(ValueError, match="Dense"):
         read_pooling(tmp_path, "pooling")
+
+
+def test_a_prompt_from_the_prefix_cache_embeds_the_same(api, engines, embed_model, reference):
+    long_text = " ".join(TEXTS * 4)  # several full KV blocks of 16 tokens
+
+    async def hits() -> int:
+        async with AsyncClient(engines["embed"]) as client:
+            return (await client.stats()).engine.prefix_cache_hits
+
+    before = run_in_thread(hits)
+    first, again = (api.embeddings.create(model=embed_model, input=long_text).data[0].embedding for _ in range(2))
+    assert run_in_thread(hits) >= before + 16  # the second found the first's blocks
+    np.testing.assert_allclose(again, first, atol=2e-6)
+    np.testing.assert_allclose(again, reference(long_text), atol=2e-5)
