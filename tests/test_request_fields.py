@@ -186,6 +186,7 @@ OTHER_CHECKS = {  # field -> the test (in this repository) that proves it is hon
     "store": "test_responses_api.py (store: false keeps nothing)",
     "previous_response_id": "test_responses_api.py (three turns)",
     "truncation": "test_dialect_fields_match_the_chat_route (auto refused)",
+    "include": "test_responses_api.py::test_reasoning_items (reasoning.encrypted_content; any other refused)",
     # the Messages API
     "system": "test_dialect_fields_match_the_chat_route",
     "stop_sequences": "test_messages_api.py::test_max_tokens_and_stop_sequences",

@@ -131,6 +131,28 @@ def test_reasoning_items(reasoning_api, model):
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == "\nA greeting.\n"
     assert stream.get_final_response().output_text == "Hi!"
+    # store: false agents (Codex) ask for the reasoning as encrypted_content and send it back as input
+    opaque = reasoning_api.responses.create(
+        **args, store=False, include=["reasoning.encrypted_content"], reasoning={"summary": "auto"}
+    )
+    assert opaque.output[0].encrypted_content == "\nA greeting.\n" and opaque.output[0].summary == []
+    # read back: a reasoning item after the last user message (the template shows it there), before a call
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    tail = [call, {"type": "function_call_output", "call_id": "call_1", "output": "21"}]
+
+    def input_tokens(*reasoning: dict) -> int:
+        items = [{"role": "user", "content": "Hi"}, *reasoning, *tail]
+        return reasoning_api.responses.create(model=model, input=items, max_output_tokens=1).usage.input_tokens
+
+    thought = "Weather, then an answer."
+    as_text = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": thought}],
+    }
+    as_opaque = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": thought}
+    assert input_tokens(as_opaque) == input_tokens(as_text) > input_tokens()
 
 
 def test_previous_response_id_across_three_turns_get_and_delete(api, model, http):
@@ -161,7 +183,8 @@ def test_previous_response_id_across_three_turns_get_and_delete(api, model, http
         ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
         ({"frobnicate": 1}, "frobnicate", "not a field"),
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary", ""),
+        ({"reasoning": {"summary": "detailed"}}, "reasoning.summary", ""),
+        ({"include": ["message.output_text.logprobs"]}, "include.0", ""),
     ],
 )
 def test_refusals_in_openais_shape(http, model, extra, param, fragment):

@@ -36,14 +36,18 @@ log = logging.getLogger(__name__)
 _PREFIX = {"text": "msg_", "reasoning": "rs_", "call": "fc_"}
 
 
-def _item(block: Block, item_id: str) -> dict[str, Any]:
+def _item(block: Block, item_id: str, opaque: bool = False) -> dict[str, Any]:
+    """The output item of ``block``; ``opaque``: a reasoning item carries its text as encrypted_content too."""
     status = "completed" if block.done else "in_progress"
     if block.kind == "call":
         call = dict(call_id=block.call_id, name=block.name, arguments=block.text)
         return dict(type="function_call", id=item_id, **call, status=status)
     if block.kind == "reasoning":
         content = [{"type": "reasoning_text", "text": block.text}] if block.done else []
-        return dict(type="reasoning", id=item_id, summary=[], content=content, encrypted_content=None, status=status)
+        encrypted = block.text if opaque and block.done else None
+        return dict(
+            type="reasoning", id=item_id, summary=[], content=content, encrypted_content=encrypted, status=status
+        )
     content = [_text_part(block.text)] if block.done else []
     return dict(type="message", id=item_id, status=status, role="assistant", content=content)
 
@@ -71,6 +75,7 @@ class ResponseRender:
         self.id, self.created = new_id("resp_"), int(time.time())
         self.prompt_tokens = prompt_tokens
         self.ids: dict[int, str] = {}  # block index -> item id
+        self.opaque = "reasoning.encrypted_content" in (body.include or [])
         self.sequence = 0
 
     def item_id(self, block: Block) -> str:
@@ -83,7 +88,7 @@ class ResponseRender:
     def step_events(self, step: Step) -> list[dict[str, Any]]:
         block = step.block
         where = dict(item_id=self.item_id(block), output_index=block.index)
-        item = _item(block, where["item_id"])
+        item = _item(block, where["item_id"], self.opaque)
         part = {"type": "reasoning_text", "text": ""} if block.kind == "reasoning" else _text_part("")
         text_kind = "reasoning_text" if block.kind == "reasoning" else "output_text"
         if step.op == "open":
@@ -122,7 +127,7 @@ class ResponseRender:
             "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": None,
             "model": self.model,
-            "output": [_item(b, self.item_id(b)) for b in turn.blocks] if status != "in_progress" else [],
+            "output": [_item(b, self.item_id(b), self.opaque) for b in turn.blocks] if status != "in_progress" else [],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},

@@ -20,7 +20,6 @@ UNSUPPORTED = {
     "background": "this server runs no background responses; leave background out or false",
     "conversation": "this server keeps no conversations; pass previous_response_id instead",
     "prompt": "this server has no stored prompt templates; send instructions and input",
-    "include": "this server adds nothing to the output on request (no logprobs, no encrypted reasoning)",
     "top_logprobs": "this server's Responses route returns no logprobs; use /v1/chat/completions",
     "max_tool_calls": "this server cannot bound the number of tool calls; leave it out",
 }
@@ -50,8 +49,9 @@ class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: None = None  # no summaries: a value is refused by pydantic, naming the field
-    generate_summary: None = None
+    # No summarizer here: "auto" (the best one available) gives none; another value is refused, naming it.
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -75,6 +75,9 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     stream: bool = False
     truncation: Literal["disabled"] | None = None  # "auto" (drop the conversation's start) is not done here
+    # "reasoning.encrypted_content" (what store: false agents such as Codex ask): a reasoning item carries its
+    # text there, opaque, and reads it back as input; nothing else is added to the output on request
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     # vLLM's extensions (the openai package's extra_body)
     seed: Int64 | None = None
     top_k: Int64 | None = None
@@ -198,7 +201,8 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or []
-            assistant()["reasoning_content"] = _text_of(parts, where)
+            opaque = item.get("encrypted_content")  # (this server's own: the text, as `include` asked for it)
+            assistant()["reasoning_content"] = opaque if isinstance(opaque, str) and opaque else _text_of(parts, where)
         elif kind == "function_call":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
                 raise bad_request(f"{where} (a function_call) needs its call_id and name", "input")
