@@ -95,6 +95,14 @@ def test_a_tool_round_trip(claude, model):
     assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
 
 
+def test_a_json_schema_output_validates(claude, model):
+    fmt = {"type": "json_schema", "schema": WEATHER}
+    whole = claude.messages.create(
+        model=model, max_tokens=200, messages=ASK, output_config={"format": fmt}, extra_body={"temperature": 0}
+    )
+    jsonschema.validate(json.loads(whole.content[0].text), WEATHER)
+
+
 def test_thinking_blocks(claude, model):
     script = scripted("<think>\nA question.\n</think>\n\nSunny.")
     args = dict(model=model, max_tokens=2000, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024})

@@ -191,6 +191,7 @@ OTHER_CHECKS = {  # field -> the test (in this repository) that proves it is hon
     "system": "test_dialect_fields_match_the_chat_route",
     "stop_sequences": "test_messages_api.py::test_max_tokens_and_stop_sequences",
     "thinking": "test_messages_api.py::test_thinking_blocks",
+    "output_config": "test_messages_api.py::test_a_json_schema_output_validates (effort refused)",
     # /v1/embeddings
     "encoding_format": "test_embeddings.py::test_base64_and_dimensions",
     "dimensions": "test_embeddings.py::test_base64_and_dimensions (and refused where the model does not allow it)",

@@ -50,6 +50,20 @@ class Thinking(BaseModel):
     budget_tokens: Int64 | None = None  # a target, as in Anthropic's API: checked against max_tokens, not enforced
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: OutputFormat | None = None  # structured output: the engine's grammar for the schema
+    effort: None = None  # no effort levels here: a value is refused, naming the field
+
+
 class MessagesRequest(BaseModel):
     """The body of ``POST /v1/messages``; ``count_tokens`` takes it without ``max_tokens``."""
 
@@ -67,6 +81,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     # vLLM's extensions (the anthropic package's extra_body)
     structured_outputs: dict[str, Any] | None = None
     ignore_eos: bool | None = None  # (benchmarks: every request its max_tokens)
@@ -106,6 +121,12 @@ class MessagesRequest(BaseModel):
             named = {"type": "function", "function": {"name": choice.get("name")}}
             fields["tool_choice"] = kinds[choice["type"]] or named
             fields["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use", False)
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": fmt.schema_},
+            }
         if self.thinking is not None:
             fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
         return ChatRequest.model_validate(fields)
