@@ -7,6 +7,7 @@ function tool round trip, a JSON schema, reasoning items, stored responses acros
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Iterator
 
 import jsonschema
@@ -193,3 +194,33 @@ def test_refusals_in_openais_shape(http, model, extra, param, fragment):
     assert r.status_code in (400, 404), r.text
     error = r.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_the_openai_agents_sdk_runs_a_tool_using_agent(url, model):
+    """The Agents SDK's default model (the Responses API): the model's forced call is parsed, the SDK runs
+    the tool and ends with its output (a random model's free answer would not end before max_tokens; the
+    call, its output and a final answer through the API are test_a_function_tool_round_trip's)."""
+    agents = pytest.importorskip("agents")
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: typing.Literal["Paris", "Rome"]) -> str:  # (a random model's free string runs long)
+        """The weather in a city."""
+        calls.append(city)
+        return "21 C"
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    settings = agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=200, parallel_tool_calls=False)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+        model_settings=settings,
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
+    assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
+    assert result.final_output == "21 C"
