@@ -88,19 +88,19 @@ class ResponseRender:
     def step_events(self, step: Step) -> list[dict[str, Any]]:
         block = step.block
         where = dict(item_id=self.item_id(block), output_index=block.index)
+        text_kind = "reasoning_text" if block.kind == "reasoning" else "output_text"
+        if step.op == "delta":  # (the hot path: one event per chunk)
+            if block.kind == "call":
+                return [self.event("response.function_call_arguments.delta", **where, delta=step.text)]
+            extra = {"logprobs": []} if block.kind == "text" else {}
+            return [self.event(f"response.{text_kind}.delta", **where, content_index=0, delta=step.text, **extra)]
         item = _item(block, where["item_id"], self.opaque)
         part = {"type": "reasoning_text", "text": ""} if block.kind == "reasoning" else _text_part("")
-        text_kind = "reasoning_text" if block.kind == "reasoning" else "output_text"
         if step.op == "open":
             added = [self.event("response.output_item.added", output_index=block.index, item=item)]
             if block.kind != "call":
                 added.append(self.event("response.content_part.added", **where, content_index=0, part=part))
             return added
-        if step.op == "delta":
-            if block.kind == "call":
-                return [self.event("response.function_call_arguments.delta", **where, delta=step.text)]
-            extra = {"logprobs": []} if block.kind == "text" else {}
-            return [self.event(f"response.{text_kind}.delta", **where, content_index=0, delta=step.text, **extra)]
         if block.kind == "call":
             done = [self.event("response.function_call_arguments.done", **where, name=block.name, arguments=block.text)]
         else:
