@@ -148,6 +148,11 @@ def test_serve_openai_workers_2_runs_two_servers_behind_one_port_and_both_answer
 
         texts, seen = anyio.run(requests_and_holders)
         assert len(seen) == 2, f"the requests went to {len(seen)} of the 2 workers"
+        # one store of responses for both workers: a stored response is found on any connection
+        body = {"model": qwen3_dir.name, "input": "Hi", "max_output_tokens": 2}
+        made = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=body, timeout=60).json()["id"]
+        for _ in range(8):  # a new connection each: either worker
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/responses/{made}", timeout=60).status_code == 200
         # the same greedy text, whichever worker served it; a first chunk may carry more than one token
         longest = max(texts, key=len)
         assert texts and all(longest.startswith(text) for text in texts), texts

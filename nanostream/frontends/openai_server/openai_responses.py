@@ -217,7 +217,7 @@ class ResponsesAPI:
             raise APIError(
                 404,
                 f"no stored response {response_id!r}: it was never stored (store: false), was deleted, or left this "
-                "server's bounded store (or another server process holds it)",
+                "server's bounded store (--max-stored-responses, --max-stored-response-bytes)",
                 type="invalid_request_error",
                 param=param,
                 code="response_not_found",

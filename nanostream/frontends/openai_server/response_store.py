@@ -1,8 +1,8 @@
 """Stored responses of the Responses API (``store``, default true): in this server process's memory,
 bounded by count and by bytes, the least recently used leaving first. A stored response is what
 ``GET /v1/responses/{id}`` returns and what ``previous_response_id`` continues: its object, and the
-conversation up to and including its output as chat messages. A restart, or another ``--workers``
-process, does not have it (a 404 that says so).
+conversation up to and including its output as chat messages. The ``--workers`` of one server share
+one store (workers.py serves it from a manager process); a restart forgets it.
 """
 
 from __future__ import annotations
