@@ -11,6 +11,7 @@ fields by their 400 naming them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -146,9 +147,21 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids(http, model, ll
     streamed = http.post(
         "/v1/completions", json={"model": model, "prompt": PROMPT, **GREEDY, "stream": True, "return_token_ids": True}
     )
-    events = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
-    assert '"prompt_token_ids":[5,6,7,8]' in events[0]
-    assert sum(len(e.split('"token_ids":[')[1].split("]")[0].split(",")) for e in events) >= 8
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_token_ids"] == PROMPT
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == want
+    # chat, streamed: every id, also of the chunks a parser holds back (a tool call's start)
+    reply = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": model, "messages": USER, "tools": tools, "return_token_ids": True, **GREEDY, "max_tokens": 40}
+    body["structured_outputs"] = {"choice": [reply]}
+    reply_json = post(http, "/v1/chat/completions", body)
+    whole = reply_json["choices"][0]
+    assert whole["message"]["tool_calls"] and len(whole["token_ids"]) > 5
+    streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == reply_json["prompt_token_ids"]
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids") or []] == whole["token_ids"]
 
 
 # ---- everything else, by what it does ----------------------------------------------------------------------

@@ -194,6 +194,7 @@ class Reply:
             if self.o.top_logprobs is not None and chunk.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, self.o.top_logprobs)
                 visible = visible or bool(chunk.logprobs)
+            visible = visible or (self.o.token_ids and bool(chunk.token_ids))  # (every id streamed, shown or not)
             if key == "delta" and not (visible or final):
                 return None
         else:
