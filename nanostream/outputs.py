@@ -27,6 +27,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     reasoning_content: str | None = None  # with a reasoning parser: the reasoning (``text`` is the rest)
+    embedding: bytes | None = None  # SamplingParams.embed: the prompt's pooled hidden state (float32), raw
 
     @classmethod
     def of(
@@ -44,6 +45,7 @@ class CompletionOutput:
             stop_reason,
             [lp for c in chunks for lp in c.logprobs or ()] if logprobs else None,
             reasoning,
+            next((c.embedding for c in chunks if c.embedding is not None), None),
         )
 
 

@@ -190,3 +190,19 @@ def test_a_prompt_from_the_prefix_cache_embeds_the_same(api, engines, embed_mode
     assert run_in_thread(hits) >= before + 16  # the second found the first's blocks
     np.testing.assert_allclose(again, first, atol=2e-6)
     np.testing.assert_allclose(again, reference(long_text), atol=2e-5)
+
+
+def test_the_offline_llm_embeds_as_the_server_does(api, embed_dir, embed_model, qwen3_dir, reference):
+    from nanostream import LLM
+
+    with LLM(str(embed_dir), kvcache_block_size=16, device="cpu") as llm:
+        vectors = llm.embed(TEXTS)
+        cut = llm.embed(TEXTS[0], dimensions=16)[0]
+    served = api.embeddings.create(model=embed_model, input=TEXTS, encoding_format="float").data
+    for text, vector, item in zip(TEXTS, vectors, served):
+        np.testing.assert_allclose(vector, reference(text), atol=2e-5)
+        np.testing.assert_allclose(vector, item.embedding, atol=2e-6)
+    np.testing.assert_allclose(cut, reference(TEXTS[0])[:16] / np.linalg.norm(reference(TEXTS[0])[:16]), atol=2e-5)
+    generation = LLM(str(qwen3_dir), kvcache_block_size=16, device="cpu")
+    with generation, pytest.raises(InvalidRequestError, match="runner pooling"):
+        generation.embed("hi")

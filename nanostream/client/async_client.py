@@ -23,11 +23,10 @@ from typing import Any
 from nanostream import protocol as p
 from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
-from nanostream.client.embeddings import check_dimensions, finish_vector
+from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish_vector
 from nanostream.client.prompts import as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
-from nanostream.errors import InvalidRequestError
 from nanostream.outputs import Completion, Embeddings
 from nanostream.sampling_params import SamplingParams
 
@@ -204,15 +203,9 @@ class AsyncClient:
             out = await client.embed(["a query", "a document"])
             similarity = out.vectors[0] @ out.vectors[1]   # normalised: the cosine
         """  # fmt: skip
-        pooling = self.connection.welcome.pooling
-        if pooling is None:
-            raise InvalidRequestError(
-                "this engine serves a generation model: start it as an embedding server (--runner pooling)"
-            )
-        check_dimensions(pooling, dimensions, 2**31)  # (before the engine works: its length is checked after)
-        params = SamplingParams(max_tokens=1, temperature=0, embed=True)
+        pooling = embedding_pooling(self.connection.welcome.pooling, dimensions)
         raw: dict[int, bytes] = {}
-        async with self._stream(prompt, params, timeout, {}) as stream:
+        async with self._stream(prompt, EMBED_PARAMS, timeout, {}) as stream:
             async for chunk in stream:
                 if chunk.embedding is not None:
                     raw[chunk.index] = chunk.embedding

@@ -8,6 +8,20 @@ import numpy as np
 
 from nanostream.errors import InvalidRequestError
 from nanostream.protocol import PoolingConfig
+from nanostream.sampling_params import SamplingParams
+
+EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0, embed=True)  # a request for its prompt's embedding
+
+
+def embedding_pooling(pooling: PoolingConfig | None, dimensions: int | None) -> PoolingConfig:
+    """The engine's pooling, checked before any work: ``InvalidRequestError`` for a generation engine (None)
+    or ``dimensions`` the model does not allow."""
+    if pooling is None:
+        raise InvalidRequestError(
+            "this engine serves a generation model: start it as an embedding server (--runner pooling)"
+        )
+    check_dimensions(pooling, dimensions, 2**31)  # (its length is checked with the vector)
+    return pooling
 
 
 def check_dimensions(pooling: PoolingConfig, dimensions: int | None, size: int) -> None:
