@@ -9,6 +9,8 @@ Usage::
     python apps/bench_stream.py --model DIR --shapes 4x64 --runs 3 --http-workers 4   # and through HTTP
     python apps/bench_stream.py --model DIR --shapes 4x64 --runs 2 --http-workers 2,8 --http-only \\
         --stream-interval 4                          # HTTP only, with 2 then 8 frontend workers
+    python apps/bench_stream.py --model DIR --shapes 4x64 --runs 3 --http-workers 8 --http-only \\
+        --http-api responses                         # the Responses API (or messages: Anthropic's)
 
 What runs, in this order (the two never share the machine):
 
@@ -399,7 +401,7 @@ def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[
         with openai_service(model, args, engine_kwargs) as (engine, base, fpids, workers):
             print(f"service: engine pid {engine.pid} at {engine.address}, {workers} frontend worker(s)")
             rounds = [fresh(10_000 + r) for r in range(args.runs)]
-            target = Target(base_url=base, model=model.name)
+            target = Target(base_url=base, model=model.name, api=args.http_api, tokenizer=str(model))
             http = [run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers)]
             if args.connections:  # (its own line, not a row of the table: it is not the offline workload)
                 run_connections(args, fresh, warmup, engine, target, fpids, workers)
@@ -417,7 +419,7 @@ def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[
         for k, workers in enumerate(args.http_workers):
             with openai_frontend(engine.address, workers) as (base, fpids):
                 rounds = [fresh(10_000 + 100 * k + r) for r in range(args.runs)]
-                target = Target(base_url=base, model=model.name)
+                target = Target(base_url=base, model=model.name, api=args.http_api, tokenizer=str(model))
                 http.append(run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers))
     return direct, http
 
@@ -584,6 +586,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="with --http-service: then one round of this many requests at once, each on its own SSE connection",
+    )
+    clients.add_argument(
+        "--http-api",
+        choices=["completions", "responses", "messages"],
+        default="completions",
+        help="the HTTP rounds' route: /v1/completions (token ids), or a dialect translated onto the chat route, "
+        "/v1/responses or /v1/messages (the prompt decoded to text, under the chat template: a few more prompt "
+        "tokens than offline) (default %(default)s)",
     )
     clients.add_argument(
         "--http-only",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import cProfile
+import functools
 import gc
 import json
 import socket
@@ -59,6 +60,8 @@ class Target:
     address: str | None = None
     base_url: str | None = None
     model: str | None = None
+    api: str = "completions"  # or the dialects translated onto the chat route: "responses", "messages"
+    tokenizer: str | None = None  # the dialects take text: the prompt ids decoded with this model's tokenizer
 
 
 async def stream_client(client: AsyncClient, r: Request) -> Trace:
@@ -76,30 +79,46 @@ async def stream_client(client: AsyncClient, r: Request) -> Trace:
     return trace
 
 
+APIS = {"completions": "/v1/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+_DELTAS = {"response.output_text.delta", "content_block_delta"}  # the dialects' events that carry tokens
+
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _completion_body(target: Target, r: Request) -> dict:
-    return {
-        "model": target.model,
-        "prompt": r.prompt_token_ids,
-        "max_tokens": r.max_tokens,
-        "temperature": TEMPERATURE,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": target.model, "temperature": TEMPERATURE, "ignore_eos": True, "stream": True}
+    if target.api == "completions":
+        prompt = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens}
+        return {**body, **prompt, "stream_options": {"include_usage": True}}
+    text = _tokenizer(target.tokenizer).decode(r.prompt_token_ids)  # (the chat template adds its own tokens)
+    if target.api == "responses":
+        return {**body, "input": text, "max_output_tokens": r.max_tokens, "store": False}
+    return {**body, "messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens}
 
 
 def _take_event(trace: Trace, data: str) -> int | None:
-    """Record one SSE ``data:`` payload; the completion tokens if it is the usage event."""
+    """Record one SSE ``data:`` payload; the completion tokens if it is the usage event (or the dialects'
+    last: response.completed / response.incomplete, message_delta)."""
     if data == "[DONE]":
         return None
     event = json.loads(data)
-    if "error" in event:
-        trace.error = str(event["error"])
-    elif event.get("choices"):
+    kind = event.get("type")
+    if "error" in event or kind in ("error", "response.failed"):
+        trace.error = str(event.get("error") or event)
+    elif event.get("choices") or kind in _DELTAS:
         trace.events += 1
         trace.arrivals.append(time.perf_counter())
         trace.counts.append(0)
-    elif event.get("usage"):
+    elif kind in ("response.completed", "response.incomplete"):
+        return event["response"]["usage"]["output_tokens"]
+    elif kind == "message_delta":
+        return event["usage"]["output_tokens"]
+    elif event.get("usage") and not kind:
         return event["usage"]["completion_tokens"]
     return None
 
@@ -111,14 +130,14 @@ def _finish(trace: Trace, completion_tokens: int) -> Trace:
 
 
 async def stream_http(http, target: Target, r: Request) -> Trace:
-    """One ``/v1/completions`` request as server-sent events through an ``http_session()``: aiohttp's
-    (what ``vllm bench serve`` reads with; about half httpx's client CPU per token, 39 against 76 us in
-    bench_stream's 4x16 HTTP rounds on a 2-core CPU) or httpx's."""
+    """One ``/v1/completions`` request (or ``target.api``'s) as server-sent events through an
+    ``http_session()``: aiohttp's (what ``vllm bench serve`` reads with; about half httpx's client CPU per
+    token, 39 against 76 us in bench_stream's 4x16 HTTP rounds on a 2-core CPU) or httpx's."""
     body = _completion_body(target, r)
     trace = Trace(r.max_tokens, len(r.prompt_token_ids), time.perf_counter())
     completion_tokens = 0
     if not hasattr(http, "stream"):  # aiohttp: lines split at \n only, as SSE has them
-        async with http.post(f"{target.base_url}/v1/completions", json=body) as response:
+        async with http.post(target.base_url + APIS[target.api], json=body) as response:
             if response.status != 200:
                 trace.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return trace
@@ -127,7 +146,7 @@ async def stream_http(http, target: Target, r: Request) -> Trace:
                 if line.startswith("data: "):
                     completion_tokens = _take_event(trace, line[6:]) or completion_tokens
         return _finish(trace, completion_tokens)
-    async with http.stream("POST", f"{target.base_url}/v1/completions", json=body) as response:
+    async with http.stream("POST", target.base_url + APIS[target.api], json=body) as response:
         if response.status_code != 200:
             trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
             return trace

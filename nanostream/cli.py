@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI API's reasoning parser (qwen3: <think> as reasoning_content)",
     )
     service.add_argument("--tool-call-parser", help="the OpenAI API's tool-call parser (default: hermes; none)")
+    for what in ("responses", "response-bytes"):  # (defaults: the frontend's; `nanostream frontend openai --help`)
+        service.add_argument(f"--max-stored-{what}", type=int, help=f"the Responses API's store: its most {what}")
     service.add_argument(
         "--openai-workers",
         type=_workers,

@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+RUNNERS = ("auto", "generate", "pooling")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class EngineConfig:
     """A request's tokens (greedy, or sampled with a seed) do not depend on which requests share its steps: every
     GEMM has one tile for any batch and attention splits nothing by the batch (the triton or torch backend;
     FP8 weights are dequantized). Costs throughput (BENCHMARKS.md); tensor parallelism up to 2 ranks."""
+    runner: str = "auto"
+    """pooling: an embedding server, whose requests may ask for their prompt's embedding (last-token pooling,
+    normalised, unless the checkpoint's sentence-transformers files say otherwise; models/pooling.py);
+    generate: none may; auto: pooling when the checkpoint has a sentence-transformers pooling config."""
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -139,6 +144,8 @@ class EngineConfig:
                 "batch_invariant needs attention_backend 'triton', 'torch' or 'auto': FlashAttention splits its work "
                 "by the batch"
             )
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -7,10 +7,12 @@ import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanostream.client.chat_template import render_chat
+from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish_vector
 from nanostream.client.prompts import Prompt, as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.samples import SampleGroup
@@ -69,6 +71,17 @@ class LLM:
         SamplingParams, each output's ``outputs`` holds the n samples.
         """
         return self._generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | SequenceABC[Prompt], *, dimensions: int | None = None) -> list[np.ndarray]:
+        """One vector per prompt, in order, from an engine of ``runner="pooling"`` (an embedding checkpoint), as
+        ``AsyncClient.embed`` gives them; ``dimensions`` cuts each (a Matryoshka model's only). Example::
+
+            llm = LLM("/models/Qwen3-Embedding-0.6B", runner="pooling")
+            query, document = llm.embed(["a query", "a document"])
+        """
+        pooling = embedding_pooling(self.engine.pooling, dimensions)
+        outputs = self._generate(prompts, EMBED_PARAMS, use_tqdm=False)
+        return [finish_vector(out.outputs[0].embedding, pooling, dimensions) for out in outputs]
 
     def _generate(
         self,

@@ -13,7 +13,7 @@ import json
 import textwrap
 from typing import Any
 
-from nanostream.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
+from nanostream.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, RUNNERS, EngineConfig
 from nanostream.sampling_params import SamplingParams
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -22,6 +22,7 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "load_format": LOAD_FORMATS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "runner": RUNNERS,
 }
 
 

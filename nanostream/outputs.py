@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nanostream.protocol import Usage
 
 PromptLogprobs = list[dict[int, float] | None]
@@ -25,6 +27,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     reasoning_content: str | None = None  # with a reasoning parser: the reasoning (``text`` is the rest)
+    embedding: bytes | None = None  # SamplingParams.embed: the prompt's pooled hidden state (float32), raw
 
     @classmethod
     def of(
@@ -42,6 +45,7 @@ class CompletionOutput:
             stop_reason,
             [lp for c in chunks for lp in c.logprobs or ()] if logprobs else None,
             reasoning,
+            next((c.embedding for c in chunks if c.embedding is not None), None),
         )
 
 
@@ -107,6 +111,16 @@ class StreamChunk:
     index: int = 0  # which sample (``n`` > 1: the samples' chunks interleave)
     reasoning_content: str = ""  # with a reasoning parser: new reasoning (``text`` is new content)
     prompt_logprobs: PromptLogprobs | None = None  # on a sample's first chunk, when asked for
+    embedding: bytes | None = None  # SamplingParams.embed: the prompt's pooled hidden state (float32), raw
+
+
+@dataclass
+class Embeddings:
+    """What ``AsyncClient.embed`` returns: one vector per prompt (float32, normalised as the model says),
+    in order, and the tokens of the prompts."""
+
+    vectors: list[np.ndarray]
+    prompt_tokens: int
 
 
 @dataclass

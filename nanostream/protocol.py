@@ -32,7 +32,7 @@ from nanostream.errors import ProtocolError
 from nanostream.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from nanostream.structured_outputs import MAX_GRAMMAR_CHARS
 
-PROTOCOL_VERSION = 4  # 3: structured outputs, logit bias, n and prompt logprobs in SamplingParams; 4: after reasoning
+PROTOCOL_VERSION = 5  # 3: structured outputs, logit bias, n, prompt logprobs; 4: after reasoning; 5: embeddings
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
 MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
 MAX_REQUEST_ID_CHARS = 256
@@ -88,6 +88,14 @@ class Bye(_Message, tag="bye"):
 # ---- engine -> client ----------------------------------------------------------------------------
 
 
+class PoolingConfig(msgspec.Struct, frozen=True):
+    """An embedding engine's pooling (models/pooling.py reads it from the checkpoint), as its Welcome says."""
+
+    mode: str = "last"  # the last prompt token's final (normed) hidden state
+    normalize: bool = True  # to unit length (clients do it: the engine sends the pooled state)
+    matryoshka: list[int] | bool | None = None  # dimensions a vector may be cut to (True: any), None: none
+
+
 class Welcome(_Message, tag="welcome"):
     protocol_version: int
     engine_id: str
@@ -101,6 +109,7 @@ class Welcome(_Message, tag="welcome"):
     heartbeat_interval: float  # seconds between heartbeats, each way
     client_timeout: float  # a client silent this long has its requests aborted
     max_request_bytes: int  # the largest frame this engine accepts from a client
+    pooling: PoolingConfig | None = None  # an embedding engine's (SamplingParams.embed), else None
 
 
 class Usage(msgspec.Struct, omit_defaults=True):
@@ -126,6 +135,7 @@ class RequestDelta(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
     # Per prompt token (the first has none), when the request asked: on the request's first delta.
     prompt_logprobs: list[dict[int, float] | None] = []
+    embedding: bytes = b""  # SamplingParams.embed: the prompt's pooled hidden state, float32 (on the first delta)
 
     def merge(self, later: RequestDelta) -> None:
         """Take ``later`` (of the same request) into this one: what a reader that falls behind sees."""
@@ -133,6 +143,7 @@ class RequestDelta(msgspec.Struct, omit_defaults=True):
         self.logprobs += later.logprobs
         self.prompt_logprobs += later.prompt_logprobs
         self.usage = later.usage or self.usage
+        self.embedding = self.embedding or later.embedding
         if later.finish_reason is not None:
             self.finish_reason, self.error, self.code = later.finish_reason, later.error, later.code
 

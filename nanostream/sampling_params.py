@@ -86,6 +86,9 @@ class SamplingParams:
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
     prompt_logprobs: int | None = None
     """Return the log-probabilities of each prompt token (after the first) and of the N most likely ones."""
+    embed: bool = False
+    """Return the prompt's embedding (its pooled hidden state, ``StreamChunk.embedding``) with one token
+    (max_tokens 1): an engine started with ``runner="pooling"`` only (``AsyncClient.embed`` sends these)."""
 
     def __post_init__(self) -> None:
         # Normalise the list-or-string fields so instances stay hashable and comparable.
@@ -145,7 +148,7 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "embed"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         integer("n", 1, f"an integer in [1, {MAX_N}]")
@@ -160,6 +163,8 @@ class SamplingParams:
             if not isinstance(so, dict):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}")
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        if self.embed and (self.max_tokens != 1 or self.n != 1 or self.structured_outputs is not None):
+            raise ValueError("embed needs max_tokens 1, n 1 and no structured_outputs (one forward of the prompt)")
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError(
                 "min_tokens cannot be combined with structured_outputs (the grammar decides where the output "

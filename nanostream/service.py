@@ -82,12 +82,17 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
                 cmd += ["--workers", str(workers)]
             if name == "openai" and args.api_key:
                 cmd += ["--api-key", args.api_key]
-            for option in ("reasoning_parser", "tool_call_parser"):  # checked by the frontend's own parser
-                if name == "openai" and getattr(args, option, None):
-                    cmd += ["--" + option.replace("_", "-"), getattr(args, option)]
+            options = ("reasoning_parser", "tool_call_parser", "max_stored_responses", "max_stored_response_bytes")
+            for option in options:  # checked by the frontend's own parser
+                if name == "openai" and getattr(args, option, None) is not None:
+                    cmd += ["--" + option.replace("_", "-"), str(getattr(args, option))]
             children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
             processes = f" ({workers} server processes)" if workers > 1 else ""
             print(f"nanostream: {what} at http://{args.host}:{port}{path}{processes}", flush=True)
+            if name == "openai":
+                from nanostream.frontends.openai_server.routes import describe_routes  # (no FastAPI import)
+
+                print(describe_routes(), flush=True)
         while not stopping:
             if engine.proc.poll() is not None:
                 return _ended("the engine", engine.proc.returncode)

@@ -116,6 +116,15 @@ def model(qwen3_dir) -> str:
 
 
 @pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    """An engine process on the tiny Qwen3 model (CPU) for a test module's servers (a module may define its own)."""
+    from helpers import engine_processes
+
+    with engine_processes(str(qwen3_dir), {"main": dict(kvcache_block_size=16, device="cpu")}) as started:
+        yield started["main"].address
+
+
+@pytest.fixture(scope="module")
 def api(url):
     import openai
     from helpers import API_KEY

@@ -43,6 +43,12 @@ async def wait_idle(client: AsyncClient, within: float) -> float:
 API_KEY = "sk-test-key"  # what the OpenAI frontend tests start their servers with
 
 
+def forced(text: str, **extra) -> dict:
+    """A request body's fields that make the tiny model write exactly ``text`` (a scripted reply, reasoning
+    included), through vLLM's structured_outputs."""
+    return {"structured_outputs": {"choice": [text], "enable_in_reasoning": True}, **extra}
+
+
 def run_in_thread(main, *args):
     """``anyio.run(main, *args)`` in a thread of its own (the caller's thread may run an event loop)."""
     with ThreadPoolExecutor(1) as pool:

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from nanostream import LLM, AsyncClient, SamplingParams
+from nanostream.frontends.openai_server.routes import ROUTES
 
 pytestmark = pytest.mark.slow  # engine processes, servers or browsers: not in the fast lane
 
@@ -110,6 +111,9 @@ def test_serve_openai_workers_2_runs_two_servers_behind_one_port_and_both_answer
     try:
         engine = ready(proc)
         assert "(2 server processes)" in proc.stdout.readline()
+        routes = [proc.stdout.readline().split() for _ in ROUTES]  # then the routes it serves, a line each
+        for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
+            assert ["POST", route] in routes, routes
         body = {"prompt": [5, 6, 7], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
         assert wait_for_health(port, 200).status_code == 200, "the workers never served"
@@ -144,6 +148,11 @@ def test_serve_openai_workers_2_runs_two_servers_behind_one_port_and_both_answer
 
         texts, seen = anyio.run(requests_and_holders)
         assert len(seen) == 2, f"the requests went to {len(seen)} of the 2 workers"
+        # one store of responses for both workers: a stored response is found on any connection
+        body = {"model": qwen3_dir.name, "input": "Hi", "max_output_tokens": 2}
+        made = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=body, timeout=60).json()["id"]
+        for _ in range(8):  # a new connection each: either worker
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/responses/{made}", timeout=60).status_code == 200
         # the same greedy text, whichever worker served it; a first chunk may carry more than one token
         longest = max(texts, key=len)
         assert texts and all(longest.startswith(text) for text in texts), texts

@@ -23,10 +23,11 @@ from typing import Any
 from nanostream import protocol as p
 from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
+from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish_vector
 from nanostream.client.prompts import as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
-from nanostream.outputs import Completion
+from nanostream.outputs import Completion, Embeddings
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["ADDRESS_ENV", "AUTH_TOKEN_ENV", "AsyncClient"]
@@ -187,6 +188,29 @@ class AsyncClient:
             async for _ in stream:
                 pass
         return stream.completion()
+
+    async def embed(
+        self,
+        prompt: str | list[int] | list[str] | list[list[int]],
+        *,
+        dimensions: int | None = None,
+        timeout: float | None = None,
+    ) -> Embeddings:
+        """The embedding of ``prompt``, or of each of several prompts (batched in the engine beside the
+        generating requests), from an engine started as an embedding server (``--runner pooling``);
+        ``dimensions`` cuts each vector (a Matryoshka model's only). Example::
+
+            out = await client.embed(["a query", "a document"])
+            similarity = out.vectors[0] @ out.vectors[1]   # normalised: the cosine
+        """  # fmt: skip
+        pooling = embedding_pooling(self.connection.welcome.pooling, dimensions)
+        raw: dict[int, bytes] = {}
+        async with self._stream(prompt, EMBED_PARAMS, timeout, {}) as stream:
+            async for chunk in stream:
+                if chunk.embedding is not None:
+                    raw[chunk.index] = chunk.embedding
+        vectors = [finish_vector(raw[i], pooling, dimensions) for i in range(len(stream.prompts))]
+        return Embeddings(vectors, stream.num_prompt_tokens)
 
     async def stats(self) -> p.Stats:
         """The engine's counters: running and waiting requests, free KV blocks, clients."""

@@ -129,7 +129,9 @@ class OutputProcessor:
             self.stop_reason = self.token_ids[-1]  # EOS or one of stop_token_ids
         usage = self.usage or Usage(len(self.prompt_token_ids), 0)
         self.usage = Usage(usage.prompt_tokens, len(self.token_ids), usage.cached_tokens)
-        return self._chunk(text, ids, finish, self.usage, lps, prompt_logprobs, True), stop_now
+        chunk = self._chunk(text, ids, finish, self.usage, lps, prompt_logprobs, True)
+        chunk.embedding = delta.embedding or None
+        return chunk, stop_now
 
     def _chunk(self, text: str, ids: list[int], finish, usage, logprobs, prompt_logprobs, last: bool) -> StreamChunk:
         reasoning = ""

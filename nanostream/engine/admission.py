@@ -27,10 +27,20 @@ def read_eos_token_ids(model_path: Path, hf_config) -> frozenset[int]:
 
 
 def check_request(
-    prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, block_manager: BlockManager
+    prompt: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    block_manager: BlockManager,
+    pooling: bool = False,
 ) -> int:
     """The request's max_tokens (None resolved against max_model_len), or ``InvalidRequestError`` saying
-    what to change: it could never run as given."""
+    what to change: it could never run as given. ``pooling``: the engine serves embeddings (``params.embed``)."""
+    if params.embed and not pooling:
+        raise InvalidRequestError(
+            "embed: this engine serves a generation model; embeddings need an engine started as an embedding "
+            "server (--runner pooling, or a checkpoint with a sentence-transformers pooling config)"
+        )
     if params.n != 1:
         raise InvalidRequestError(
             f"n must be 1 in an engine request, got {params.n}: LLM and AsyncClient send one request per sample"

@@ -33,6 +33,8 @@ def token_delta(seq: Sequence, token: SampledToken) -> RequestDelta:
     delta = RequestDelta(seq.request_id, [token.token_id], [token.logprobs] if token.logprobs else [])
     if not seq.reported and seq.params.prompt_logprobs is not None:
         delta.prompt_logprobs = seq.prompt_logprobs
+    if seq.embedding is not None and not seq.reported:
+        delta.embedding = seq.embedding
     if not seq.reported or seq.finish_reason is not None:
         delta.usage, seq.reported = usage(seq), True  # on the first (prompt, cached tokens) and the last
     if seq.finish_reason == "error":

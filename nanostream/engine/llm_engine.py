@@ -33,6 +33,7 @@ from nanostream.errors import EngineDeadError, InvalidRequestError
 from nanostream.models import decoder_spec
 from nanostream.models.loader import resolve_model_path
 from nanostream.models.model_config import read_model_config
+from nanostream.models.pooling import read_pooling
 from nanostream.models.quantization import weights_dtype
 from nanostream.protocol import EngineStats, RequestDelta
 from nanostream.sampling_params import SamplingParams
@@ -83,6 +84,7 @@ class LLMEngine:
                 raise error from exc
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = read_eos_token_ids(self.model_path, text)
+        self.pooling = read_pooling(self.model_path, config.runner)  # None: no embeddings (a generation model)
         # recurrent layers: a live state slot per running sequence, and snapshots for the prefix cache
         states = StateSlots.of_model(config, self.runner.num_state_snapshots, self.runner.state_slot_bytes)
         self.block_manager = BlockManager(
@@ -105,15 +107,11 @@ class LLMEngine:
         self._failed_steps = 0  # in a row
         self._counters = StepCounters()
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)%s",
-            self.model_path,
-            config.device,
-            weights_dtype(self.runner.model),
-            self.block_manager.num_blocks,
-            config.kvcache_block_size,
-            str(self.runner.kv_dtype).removeprefix("torch."),
-            ", batch-invariant" if config.batch_invariant else "",
-        )
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s)%s%s", self.model_path, config.device,
+            weights_dtype(self.runner.model), self.block_manager.num_blocks, config.kvcache_block_size,
+            str(self.runner.kv_dtype).removeprefix("torch."), ", batch-invariant" if config.batch_invariant else "",
+            f", embeddings ({self.pooling.mode}-token pooling)" if self.pooling else "",
+        )  # fmt: skip
 
         # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
         # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms
@@ -139,7 +137,8 @@ class LLMEngine:
         A constrained request (``structured_outputs``) waits for its grammar, compiled off this thread; a
         grammar that does not compile ends it with an "error" delta of code "invalid"."""
         prompt = list(prompt_token_ids)
-        max_tokens = check_request(prompt, params, self.vocab_size, self.max_model_len, self.block_manager)
+        pooling = self.pooling is not None
+        max_tokens = check_request(prompt, params, self.vocab_size, self.max_model_len, self.block_manager, pooling)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise InvalidRequestError(
                 "prompt_logprobs is not supported with tensor_parallel_size > 1 yet; leave it out or run one rank"

@@ -186,6 +186,7 @@ class Scheduler:
                     reason = seq.check_stop(self.max_model_len, index)
                 if reason is not None:
                     del seq.token_ids[index + 1 :]  # a later step's PENDING token, if scheduled
+                    self.block_manager.cache_full_blocks(seq)  # (a one-token request's prompt: cached too)
                     self.finish(seq.request_id, reason)
                     continue
             self.block_manager.cache_full_blocks(seq)

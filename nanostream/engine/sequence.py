@@ -68,6 +68,7 @@ class Sequence:
         self.grammar: Grammar | None = None  # structured outputs: set before the scheduler sees it
         self.error: str | None = None  # why, when it finished with "error"
         self.prompt_logprobs: list[dict[int, float] | None] = []  # per prompt position computed so far
+        self.embedding: bytes | None = None  # params.embed: the prompt's pooled hidden state (float32), once computed
         self.sampling_row: tuple | None = None  # its params as one step's sampling reads them (sampling_batch.py)
         # A model with recurrent layers (engine/state_slots.py): its live state slot, a snapshot to start from
         # (a prefix hit), the snapshots taken for blocks not yet cached (block end -> slot), its decode tail's

@@ -93,6 +93,7 @@ class EngineServer:
             heartbeat_interval=server_config.heartbeat_interval,
             client_timeout=server_config.client_timeout,
             max_request_bytes=max_request_bytes,
+            pooling=self.engine.pooling,
         )
         self._digest = welcome.tokenizer_digest
         self._welcome = p.encode(welcome)

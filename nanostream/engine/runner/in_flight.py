@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from nanostream.engine.runner.pooled import Pooled
 from nanostream.engine.runner.prompt_logprobs import PromptLogprobs
 from nanostream.engine.runner.sampler import SamplerOutput, SamplingBatch
 from nanostream.engine.sequence import Sequence
@@ -32,6 +33,7 @@ class InFlight:
     logits: torch.Tensor | None = None
     batch: SamplingBatch | None = None
     prompt_logprobs: PromptLogprobs | None = None  # of the chunks whose requests ask for them
+    pooled: Pooled | None = None  # the embeddings of the sequences that ask for them
 
 
 class StepControl(Protocol):

@@ -9,9 +9,8 @@ decode_graphs.py (decode replays), prefill_graphs.py (the steps with prompt toke
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
 publishes the step to the others (``control``: engine/tp/workers.py); every rank then runs it
 (``launch_local``) in lockstep: the same packed inputs, the same CUDA-graph bucket, the same collectives.
-Rank 0 gathers the logits and samples; its samples are broadcast, since the next step may read them as
-inputs. The warm-up and the graph captures run on every rank alike, without a control message.
-"""
+Rank 0 gathers the logits and samples (and pools embeddings: pooled.py); its samples are broadcast, since
+the next step may read them as inputs. The warm-up and graph captures run on every rank alike, unannounced."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from nanostream.engine.runner.cache_pool import CacheLayout, allocate_caches, in
 from nanostream.engine.runner.decode_graphs import DecodeGraphs
 from nanostream.engine.runner.in_flight import InFlight, StepControl, copy_to_host
 from nanostream.engine.runner.kv_pool import kv_dtype, measure_cuda_kv_budget, plan_cache, short_chunk_steps, worst_step
+from nanostream.engine.runner.pooled import launch_pooling
 from nanostream.engine.runner.prefill_graphs import PrefillGraphs
 from nanostream.engine.runner.prompt_logprobs import launch_prompt_logprobs
 from nanostream.engine.runner.sampler import SamplerOutput, sample
@@ -222,8 +222,7 @@ class ModelRunner:
 
         ``defer_sampling`` (rank 0): queue the model only; ``sample()`` queues the sampling later (once the
         constrained rows' grammar masks are known). The sampling parameters are read now either way.
-        ``with_prompt_logprobs``: some request wants prompt logprobs (computed for the chunks of those
-        that do; refused with tensor parallelism, whose workers do not know of them)."""
+        ``with_prompt_logprobs``: some request wants prompt logprobs (for its chunks; not with tensor parallelism)."""
         self.uploads.new_step()
         input_ids, positions, meta, sample_rows, states = self.prepare(chunks, prev)
         if self.graphs is not None and self.graphs.can_run(meta, states):
@@ -249,6 +248,7 @@ class ModelRunner:
             return InFlight(seqs, rows, SamplerOutput(token_ids, None, None, None))
         batch = make_sampling_batch(seqs, self.vocab_size, self.device, self.uploads)
         step = InFlight(seqs, rows, None, logits=logits, batch=batch, prompt_logprobs=prompt_logprobs)
+        step.pooled = launch_pooling(seqs, hidden)  # embedding requests: their prompt's pooled hidden state
         if not defer_sampling:
             self._sample(step)
         return step
@@ -284,8 +284,9 @@ class ModelRunner:
 
     def collect(self, step: InFlight) -> dict[str, SampledToken]:
         """Wait for a launched step; its sampled token (and logprobs) per sequence that sampled."""
-        if step.prompt_logprobs is not None:
-            step.prompt_logprobs.read()  # (a host synchronisation of its own: only for requests that ask)
+        for extra in (step.prompt_logprobs, step.pooled):  # (a host synchronisation of its own: only if asked)
+            if extra is not None:
+                extra.read()
         if step.host is None:
             return {}
         if step.copied is not None:

@@ -7,8 +7,10 @@
     api = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-local")
     api.chat.completions.create(model="Qwen3-0.6B", messages=[{"role": "user", "content": "Hi"}])
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or
-server-sent events with ``"stream": true``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's
+Endpoints (routes.py): ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or
+server-sent events with ``"stream": true``), OpenAI's Responses API (``/v1/responses``, openai_responses.py) and
+Anthropic's Messages API (``/v1/messages``, anthropic_messages.py) translated onto the chat route,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's
 shapes), ``GET /version``, ``GET /health`` (a round trip to the engine) and ``GET /metrics``
 (Prometheus). One AsyncClient, connected in the app's lifespan, carries every request.
 
@@ -42,6 +44,7 @@ from nanostream.client.reasoning import REASONING_PARSERS
 from nanostream.frontends import Frontend
 from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
 from nanostream.frontends.openai_server.app import create_app
+from nanostream.frontends.openai_server.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 from nanostream.frontends.openai_server.tool_parsers import TOOL_PARSERS
 
 __all__ = ["OpenAIServer", "create_app"]
@@ -62,13 +65,17 @@ def app_options(args: argparse.Namespace, worker: bool = False) -> dict:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         engine_wait=wait,
+        response_store=ResponseStore(args.max_stored_responses, args.max_stored_response_bytes),
     )
 
 
 class OpenAIServer(Frontend):
     """``nanostream frontend openai``: the OpenAI-compatible HTTP API on uvicorn."""
 
-    description = "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics"
+    description = (
+        "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages "
+        "(Anthropic's), /v1/models, /health, /metrics"
+    )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -100,6 +107,19 @@ class OpenAIServer(Frontend):
             default="hermes",
             choices=[*sorted(TOOL_PARSERS), "none"],
             help="read tool calls out of replies in this format (default %(default)s: Qwen's <tool_call> JSON)",
+        )
+        parser.add_argument(
+            "--max-stored-responses",
+            type=int,
+            default=DEFAULT_MAX_RESPONSES,
+            help="the Responses API's stored responses (store: true) kept in this process's memory, the least "
+            "recently used leaving first; 0 keeps none (default %(default)s)",
+        )
+        parser.add_argument(
+            "--max-stored-response-bytes",
+            type=int,
+            default=DEFAULT_MAX_BYTES,
+            help="the bytes (as JSON) those stored responses may take at most (default %(default)s: 64 MiB)",
         )
 
     def run(self, args: argparse.Namespace) -> int:

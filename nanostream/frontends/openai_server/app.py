@@ -23,17 +23,23 @@ from nanostream.client import AsyncClient
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.errors import EngineDeadError, NanostreamError
 from nanostream.frontends.engine_wait import EngineWait
+from nanostream.frontends.openai_server.anthropic_messages import MessagesAPI
+from nanostream.frontends.openai_server.embeddings import EmbeddingsAPI
 from nanostream.frontends.openai_server.generation import Generation
 from nanostream.frontends.openai_server.logprobs import TokenText
+from nanostream.frontends.openai_server.messages_protocol import anthropic_error
 from nanostream.frontends.openai_server.metrics import Metrics
+from nanostream.frontends.openai_server.openai_responses import ResponsesAPI
 from nanostream.frontends.openai_server.protocol import APIError, api_error
+from nanostream.frontends.openai_server.response_store import ResponseStore
+from nanostream.frontends.openai_server.routes import ROUTES
 from nanostream.frontends.openai_server.tokenization import Tokenization, version
 from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool_parser
 
 log = logging.getLogger(__name__)
 
 
-class _Server(Generation, Tokenization):
+class _Server(Generation, ResponsesAPI, MessagesAPI, EmbeddingsAPI, Tokenization):
     """The routes' shared state: one AsyncClient, the served name, the API key, the metrics, the parsers."""
 
     reasoning_parser: str | None = None
@@ -120,8 +126,11 @@ class _Server(Generation, Tokenization):
         if self.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients' header
+            scheme, key = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(401, "no API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+            how = "send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
+            raise APIError(401, f"no API key: {how}", code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key: use the server's --api-key", code="invalid_api_key")
 
@@ -182,6 +191,7 @@ def create_app(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = "hermes",
     engine_wait: EngineWait | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app; its lifespan connects one AsyncClient and closes it at shutdown.
 
@@ -193,7 +203,8 @@ def create_app(
     needs ``Authorization: Bearer KEY``. ``served_model_name`` is the model name that requests give
     and ``/v1/models`` lists (default: the name of the engine's model directory).
     ``reasoning_parser`` ("qwen3") returns a reply's ``<think>`` part as ``reasoning_content``;
-    ``tool_call_parser`` (default "hermes", None: none) reads tool calls out of replies. Example::
+    ``tool_call_parser`` (default "hermes", None: none) reads tool calls out of replies.
+    ``response_store`` keeps the Responses API's stored responses (default: a ``ResponseStore()``). Example::
 
         uvicorn.run(create_app("ipc:///run/nanostream.sock", api_key="sk-local"), port=8000)
     """
@@ -209,10 +220,13 @@ def create_app(
         new_client = lambda address: AsyncClient(address or client)
     server = _Server(new_client, api_key, served_model_name, engine_wait)
     server.reasoning_parser, server.tool_parser = reasoning_parser, parser
+    server.response_store = response_store if response_store is not None else ResponseStore()
     app = FastAPI(title="nanostream OpenAI-compatible API", lifespan=server.lifespan)
     app.state.server = server
 
     async def error(request: Request, exc: Exception) -> JSONResponse:
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read Anthropic's shape
+            return anthropic_error(api_error(exc))
         return api_error(exc).response()
 
     # Exception: an unexpected error still gets OpenAI's JSON (a 500); Starlette logs its traceback.
@@ -220,13 +234,7 @@ def create_app(
         app.add_exception_handler(kind, error)
 
     v1 = {"dependencies": [Depends(server.check_key), Depends(server.check_engine)]}
-    app.get("/v1/models", **v1)(server.models)
-    app.get("/v1/models/{model:path}", **v1)(server.model)
-    app.post("/v1/completions", **v1)(server.completions)
-    app.post("/v1/chat/completions", **v1)(server.chat_completions)
-    app.post("/tokenize", **v1)(server.tokenize)
-    app.post("/detokenize", **v1)(server.detokenize)
-    app.get("/version")(version)
-    app.get("/health")(server.health)
-    app.get("/metrics")(server.prometheus)
+    for route in ROUTES:  # (routes.py: what `nanostream serve` lists)
+        handler = version if route.handler == "version" else getattr(server, route.handler)
+        app.add_api_route(route.path, handler, methods=[route.method], **(v1 if route.v1 else {}))
     return app

@@ -31,6 +31,16 @@ class Tool(BaseModel):
         return self.model_dump(exclude_unset=True)
 
 
+def function_tool(**function: Any) -> dict[str, Any]:
+    """A chat request's tool from its function's fields (name, description, parameters, strict; None left out)."""
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """An assistant message's tool call as the chat template gets it (``arguments``: JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 class NamedFunction(BaseModel):
     name: str
 

@@ -17,7 +17,7 @@ from nanostream.frontends.openai_server.chat_protocol import ChatRequest, templa
 from nanostream.frontends.openai_server.protocol import BaseRequest, CompletionRequest, bad_request
 from nanostream.frontends.openai_server.responses import Reply, ReplyOptions
 from nanostream.frontends.openai_server.sse import respond
-from nanostream.frontends.openai_server.structured import constraint_of, tool_plan
+from nanostream.frontends.openai_server.structured import ToolPlan, constraint_of, tool_plan
 from nanostream.frontends.openai_server.unsupported import check_supported
 
 
@@ -46,9 +46,25 @@ class Generation:
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         self._checked(body)
         logprobs = body.num_logprobs()
+        stream, plan = self.chat_stream(body, logprobs)
+        options = self._options(stream, body, chat=True, top_logprobs=logprobs)
+        options.tool_parser = self.tool_parser if plan.parse else None
+        options.reasoning = self.reasoning_parser is not None
+        echoed = body.echoed()
+        options.role, options.echo = body.role, None if echoed is None else [echoed]
+        return await self._respond(request, body, stream, Reply(options))
+
+    def chat_stream(self, body: ChatRequest, logprobs: int | None = None) -> tuple[Stream, ToolPlan]:
+        """The engine stream of a checked chat request, and how its tools are handled: the one path from
+        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages)."""
+        ids, plan = self.chat_prompt(body)
+        params = body.sampling_params(body.max_new_tokens(), logprobs, constraint_of(body, plan))
+        ids = body.truncated(ids, self.client.max_model_len, body.max_new_tokens())
+        return Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser), plan
+
+    def chat_prompt(self, body: ChatRequest) -> tuple[list[int], ToolPlan]:
+        """A chat request's prompt token ids, rendered with the model's template, and its tool plan."""
         plan = tool_plan(body, self.tool_parser)
-        max_tokens = body.max_new_tokens()
-        params = body.sampling_params(max_tokens, logprobs, constraint_of(body, plan))
         try:
             kwargs = check_template_kwargs(body.chat_template_kwargs)
         except ValueError as exc:
@@ -64,14 +80,7 @@ class Generation:
             )
         except InvalidRequestError as exc:
             raise template_error(exc) from None
-        ids = body.truncated(ids, self.client.max_model_len, max_tokens)
-        stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser)
-        options = self._options(stream, body, chat=True, top_logprobs=logprobs)
-        options.tool_parser = self.tool_parser if plan.parse else None
-        options.reasoning = self.reasoning_parser is not None
-        echoed = body.echoed()
-        options.role, options.echo = body.role, None if echoed is None else [echoed]
-        return await self._respond(request, body, stream, Reply(options))
+        return ids, plan
 
     def _options(self, stream: Stream, body: BaseRequest, *, chat: bool, top_logprobs: int | None) -> ReplyOptions:
         return ReplyOptions(
@@ -84,6 +93,7 @@ class Generation:
             top_logprobs=top_logprobs,
             prompt_logprobs=body.prompt_logprobs is not None,
             continuous_usage=body.continuous_usage,
+            token_ids=body.return_token_ids,
         )
 
     async def _respond(self, request: Request, body: BaseRequest, stream: Stream, reply: Reply) -> Response:

@@ -126,6 +126,7 @@ _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "logprobs",
     "logit_bias",
     "structured_outputs",
+    "embed",  # (/v1/embeddings')
 }
 
 
@@ -158,6 +159,7 @@ class BaseRequest(BaseModel):
     prompt_logprobs: Int64 | None = None
     structured_outputs: dict[str, Any] | None = None
     truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last k tokens; -1: all the context allows
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text (vLLM's)
 
     @property
     def include_usage(self) -> bool:

@@ -41,6 +41,7 @@ class ReplyOptions:
     prompt_logprobs: bool = False  # report the prompt logprobs the chunks carry
     role: str = "assistant"  # of a chat reply
     continuous_usage: bool = False  # every streamed event carries its choice's usage so far
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's ids, and each choice's (or event's) ids
 
 
 # The fields of OpenAI's response objects (the openai package's models) that this server never fills: sent
@@ -122,6 +123,8 @@ class Reply:
             for i in range(len(self.o.prompts) * self.o.n):
                 choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                 events.append(self._object([choice], streamed=True, usage=self._usage_so_far(i)))
+        if self.o.token_ids:  # the conversation's ids on the first event, as vLLM sends them
+            events[0]["prompt_token_ids"] = self.o.prompts[0]
         return events
 
     def event(self, chunk: StreamChunk) -> dict[str, Any] | None:
@@ -137,6 +140,8 @@ class Reply:
     def _object(self, choices: list[dict], *, streamed: bool = False, usage: dict | None = None) -> dict[str, Any]:
         out = (self._chunk if streamed else self._whole).copy()
         out["choices"], out["usage"] = choices, usage
+        if self.o.token_ids and self.o.chat and not streamed:
+            out["prompt_token_ids"] = self.o.prompts[0]
         if self.o.chat and not streamed:  # vLLM's: the conversation's prompt logprobs
             lps = self.prompt_lps.get(0) if self.o.prompt_logprobs else None
             out["prompt_logprobs"] = (
@@ -189,6 +194,7 @@ class Reply:
             if self.o.top_logprobs is not None and chunk.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(self.o.tokens, chunk.token_ids, chunk.logprobs, self.o.top_logprobs)
                 visible = visible or bool(chunk.logprobs)
+            visible = visible or (self.o.token_ids and bool(chunk.token_ids))  # (every id streamed, shown or not)
             if key == "delta" and not (visible or final):
                 return None
         else:
@@ -209,6 +215,10 @@ class Reply:
                     self.o.tokens, self.o.prompts[prompt], self.prompt_lps[prompt]
                 )
         choice["finish_reason"] = finish
+        if self.o.token_ids:  # a completion's prompt ids on its choice's first event (or whole), as vLLM's
+            choice["token_ids"] = chunk.token_ids
+            if not self.o.chat:
+                choice["prompt_token_ids"] = self.o.prompts[prompt] if first else None
         return choice
 
     def _message(self, c: _Choice, chunk: StreamChunk, final: bool, whole: bool) -> tuple[dict[str, Any], bool]:

@@ -29,18 +29,34 @@ async def respond(
     request: Request, chunks: AsyncIterator[StreamChunk], reply: Reply, *, stream: bool, include_usage: bool
 ) -> Response:
     """The HTTP response of ``chunks``: 499 (nothing sent) when the client disconnects before the first."""
+    return await deliver(
+        request,
+        chunks,
+        stream=stream,
+        whole=reply.whole,
+        events=lambda first: _events(reply, first, chunks, include_usage),
+    )
+
+
+async def deliver(
+    request: Request,
+    chunks: AsyncIterator[StreamChunk],
+    *,
+    stream: bool,
+    whole: Callable[[list[StreamChunk]], dict[str, Any]],
+    events: Callable[[StreamChunk], AsyncIterator[bytes]],
+) -> Response:
+    """Any dialect's response of ``chunks``: ``whole(all chunks)`` as JSON, or the bytes of ``events(first)``
+    (which reads the rest of ``chunks`` and closes them) as server-sent events; 499 (nothing sent) when the
+    client disconnects before the first chunk."""
     if not stream:
         got = await _unless_disconnected(request, lambda: _collected(chunks))
-        return JSONResponse(reply.whole(got)) if got is not None else Response(status_code=499)
+        return JSONResponse(whole(got)) if got is not None else Response(status_code=499)
     # The first chunk before the first byte: a rejected request is still a plain HTTP error.
     first = await _unless_disconnected(request, chunks.__anext__)
     if first is None:
         return Response(status_code=499)
-    return StreamingResponse(
-        _events(reply, first, chunks, include_usage),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache"},
-    )
+    return StreamingResponse(events(first), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # Characters JSON may carry raw that str.splitlines() breaks a line at: a client that splits the stream
@@ -48,13 +64,19 @@ async def respond(
 _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+def _sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     # msgspec's encoder: a third of json.dumps's time per event, and UTF-8 as is (ensure_ascii=False)
     body = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
     if b"\xc2\x85" in body or b"\xe2\x80" in body:
         for raw, escaped in _LINE_BREAKS:
             body = body.replace(raw, escaped)
-    return b"data: " + body + b"\n\n"
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + body + b"\n\n"
+
+
+def named_event(data: dict[str, Any]) -> bytes:
+    """A server-sent event named by its data's ``type`` (the Responses and Messages APIs' form)."""
+    return _sse(data, data["type"])
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
@@ -103,6 +125,13 @@ async def _events(
                 log.error("error in a stream", exc_info=exc)
             yield _sse(error.body())
         yield _sse("[DONE]")
+
+
+async def chained(first: StreamChunk, chunks: AsyncIterator[StreamChunk]) -> AsyncIterator[StreamChunk]:
+    """``first``, then the rest of ``chunks``: what an ``events`` function of ``deliver`` walks."""
+    yield first
+    async for chunk in chunks:
+        yield chunk
 
 
 async def _collected(chunks: AsyncIterator[StreamChunk]) -> list[StreamChunk]:

@@ -34,6 +34,7 @@ UNSUPPORTED: dict[str, str] = {
     "documents": "this server's templates take no documents",
     "mm_processor_kwargs": "this server serves text models",
     "prompt_embeds": "send the prompt as text or token ids",
+    "prompt_logprobs_temperature": "prompt logprobs are the model's own distribution (temperature 1)",
 }
 _CHAT_ONLY = {"continue_final_message": "it is for /v1/chat/completions; a completion always continues its prompt"}
 
@@ -54,3 +55,14 @@ def check_supported(body: BaseRequest) -> None:
         raise bad_request(
             "spaces_between_special_tokens false is not supported; leave it out", "spaces_between_special_tokens"
         )
+
+
+def check_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, str], ignored: set[str], api: str) -> None:
+    """The Responses and Messages APIs' rule for fields beyond their models: one this server does not
+    implement (``unsupported``, given a value) or that the API does not have is a 400 naming it; ``ignored``
+    ones change nothing and pass."""
+    for name, value in (extra or {}).items():
+        if name in unsupported and value not in (None, False, []):
+            raise bad_request(f"{name} is not supported: {unsupported[name]}", name)
+        if name not in unsupported and name not in ignored:
+            raise bad_request(f"{name} is not a field of the {api} API; leave it out", name)

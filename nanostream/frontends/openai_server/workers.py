@@ -4,7 +4,9 @@ One process streams about 5,000 server-sent events a second (a core's worth of P
 the HTTP framing, the JSON, the stream's detokenizer); hundreds of concurrent streams at the
 engine's pace need more. Each worker is a whole server with its own ``AsyncClient``, so the engine
 sees N clients; the kernel spreads new connections over the workers. One Ctrl-C or SIGTERM stops
-them all; a worker that dies stops the others, and the command exits non-zero.
+them all; a worker that dies stops the others, and the command exits non-zero. The Responses API's
+stored responses are one store for all, in a manager process (``previous_response_id`` finds a
+response whichever worker made it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import signal
 import socket
 import sys
 import time
+from multiprocessing.managers import BaseManager
+
+from nanostream.frontends.openai_server.response_store import ResponseStore
 
 NO_ENGINE = 3
 """A worker's exit code when it never served: no engine answered within ``--engine-wait``."""
@@ -39,12 +44,19 @@ def listen(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def _worker(sock: socket.socket, args: argparse.Namespace, gave_up: mp.SimpleQueue) -> None:
+class _StoreManager(BaseManager):
+    """Serves the workers' one ResponseStore from a process of its own (each call: a round trip)."""
+
+
+_StoreManager.register("ResponseStore", ResponseStore)
+
+
+def _worker(sock: socket.socket, args: argparse.Namespace, gave_up: mp.SimpleQueue, store: ResponseStore) -> None:
     import uvicorn
 
     from nanostream.frontends.openai_server import app_options, create_app
 
-    app = create_app(args.engine, **app_options(args, worker=True))
+    app = create_app(args.engine, **{**app_options(args, worker=True), "response_store": store})
     server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
     state = app.state.server
     state.on_give_up = lambda: setattr(server, "should_exit", True)
@@ -58,8 +70,12 @@ def _worker(sock: socket.socket, args: argparse.Namespace, gave_up: mp.SimpleQue
 def serve_workers(args: argparse.Namespace, sock: socket.socket) -> int:
     ctx = mp.get_context("spawn")
     gave_up = ctx.SimpleQueue()
+    manager = _StoreManager(ctx=ctx)
+    manager.start()
+    store = manager.ResponseStore(args.max_stored_responses, args.max_stored_response_bytes)
     workers = [
-        ctx.Process(target=_worker, args=(sock, args, gave_up), name=f"openai-worker-{i}") for i in range(args.workers)
+        ctx.Process(target=_worker, args=(sock, args, gave_up, store), name=f"openai-worker-{i}")
+        for i in range(args.workers)
     ]
     stopping = False
 
@@ -86,6 +102,7 @@ def serve_workers(args: argparse.Namespace, sock: socket.socket) -> int:
             if w.is_alive():
                 w.kill()
         sock.close()
+        manager.shutdown()
     if dead and not stopping and not gave_up.empty():  # no engine came within --engine-wait
         print(f"nanostream frontend openai: {gave_up.get()}", file=sys.stderr)
         return 1
