@@ -19,8 +19,8 @@ from nanostream.layers.rope_scaling import (
 )
 from nanostream.layers.rotary import RopeSpec, dims_problem
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-"""The rope types nanostream runs."""
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+"""The rope types nanostream runs; "dynamic" only with a fixed ``alpha`` (HunYuan's NTK alpha: a larger base)."""
 
 
 def rope_spec(
@@ -54,6 +54,14 @@ def rope_spec(
     problem = dims_problem(head_dim, rotary_dim)
     if problem is not None:
         raise ModelLoadError(f"{model} rotates {problem}, which nanostream does not run")
+    if rope_type == "dynamic":  # frequencies that change with the context length, unless a fixed alpha sets them
+        alpha = params.get("alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+            raise ModelLoadError(
+                f"{model} with rope type 'dynamic' and alpha={alpha!r} is not supported; nanostream runs it with a "
+                "fixed positive alpha (NTK alpha scaling)"
+            )
+        theta, rope_type = theta * float(alpha) ** (head_dim / (head_dim - 2)), "default"
     if rope_type == "default":
         return RopeSpec(theta, None, None if rotary_dim == head_dim else rotary_dim, interleaved)
     original = params.get("original_max_position_embeddings", max_position_embeddings)

@@ -12,126 +12,17 @@ models/layer_kinds.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from nanostream.models.spec import LayerNorms
-
-LLAMA_NORMS = LayerNorms()
-GEMMA_NORMS = LayerNorms(
-    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+from nanostream.models.declarations import (
+    GEMMA_NORMS,
+    GLM_NORMS,
+    OLMO2_NORMS,
+    ROPES,
+    Architecture,
+    Experts,
+    GatedDeltaNetLayers,
 )
-GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
-OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
-ROPES = ("default", "linear", "yarn")
-"""The rope types of transformers' generic rotary embedding that a family's configs use."""
-
-
-@dataclass(frozen=True)
-class Experts:
-    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
-
-    num_experts_key: str = "num_experts"
-    intermediate_key: str = "moe_intermediate_size"
-    """The config key of each expert's intermediate size."""
-    renormalize: bool | None = None
-    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
-    shared_expert: bool = False
-    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
-    sparse_layers: bool = True
-    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
-    float32_weights: bool = False
-    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
-    gpt_oss: bool = False
-    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
-    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
-    interleaved."""
-    router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
-    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
-    correction bias steers the choice; ``greedy``: none, no groups)."""
-    groups: bool = False
-    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
-    scaling_key: str | None = None
-    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
-    float32_router: bool = False
-    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
-    and GLM-4.5); else the model's dtype."""
-    first_dense_key: str | None = None
-    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
-    shared_experts_key: str | None = None
-    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
-    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetLayers:
-    """A hybrid family's ``linear_attention`` layers (config.json's ``layer_types``): Gated DeltaNet, sized by the
-    config's ``linear_*`` keys (layers/gated_deltanet.py)."""
-
-    fused_projections: bool = False
-    """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
-    (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    qk_norm: bool = False
-    """RMSNorm over each head's queries and keys before the rotary embedding."""
-    qk_norm_key: str | None = None
-    """The config key that, when true, turns ``qk_norm`` on (GLM-4.5's ``use_qk_norm``)."""
-    qkv_bias: bool = False
-    """Biases on q, k and v (not o) whatever the config says."""
-    qkv_bias_key: str | None = None
-    """The config key that, when true, puts biases on q, k and v (not o)."""
-    attention_bias_key: str | None = None
-    """The config key that, when true, puts biases on q, k, v and o."""
-    mlp_bias_key: str | None = None
-    """The config key that, when true, puts biases on gate, up and down."""
-    rope_types: tuple[str, ...] = ("default",)
-    """The rotary embeddings (``rope_type``) it may declare."""
-    partial_rotary: bool = False
-    """It honours partial_rotary_factor (Phi-3, GLM-4); elsewhere a factor other than 1 is refused."""
-    interleaved_rotary: bool = False
-    """It rotates pairs of neighbouring dims (GLM-4), not the two halves of a head."""
-    sliding_window_switch: str | None = None
-    """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
-    experts: Experts | None = None
-    """A mixture-of-experts family's MoE layers; None: a dense decoder."""
-    norms: LayerNorms = LLAMA_NORMS
-    """Where its norms sit in a layer, under their checkpoint names."""
-    norm_weight_offset: float | None = None
-    """How its norms round (layers/norm.py): None as Llama's; 0.0 or 1.0 (Gemma's 1 + w) in float32."""
-    qk_norm_whole: bool = False
-    """The QK-norms span the whole q and k projections (OLMo 2), not each head."""
-    activation_key: str = "hidden_act"
-    """The config key naming the MLP's activation."""
-    scale_embeddings: bool = False
-    """The embeddings times sqrt(hidden_size) (Gemma)."""
-    multipliers: bool = False
-    """Granite's embedding_multiplier, residual_multiplier, attention_multiplier and logits_scaling."""
-    query_pre_attn_scalar: bool = False
-    """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma), not head_dim ** -0.5."""
-    final_logit_softcap: bool = False
-    """The config's final_logit_softcapping caps the logits (Gemma)."""
-    attention_sinks: bool = False
-    """A learned sink logit per head in every softmax (gpt-oss)."""
-    no_rope_layers: bool = False
-    """The config's no_rope_layers (0: no rotary embedding in that layer) (SmolLM3)."""
-    attn_output_gate: bool = False
-    """q_proj gives each head's query and an output gate, [query D | gate D]; the attention output is times
-    sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
-    gated_deltanet: GatedDeltaNetLayers | None = None
-    """Its ``linear_attention`` layers; None: every layer attends."""
-    unused_tensors: tuple[str, ...] = ()
-    """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
-    tower): not loaded, one log line each."""
-    mtp_layers_key: str | None = None
-    """The config key counting the multi-token-prediction layers a checkpoint appends to the decoder's, as
-    ``model.layers.{num_hidden_layers + i}``: not loaded, one log line."""
-    fixed_values: tuple[tuple[str, Any], ...] = ()
-    """(config key, the one value nanostream runs, as transformers does whatever the config says): a config without
-    the key, or with that value (a list: in every entry), loads; another value is refused, naming it."""
-
+from nanostream.models.spec import LayerNorms
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(
@@ -254,6 +145,43 @@ ARCHITECTURES |= {
         ),
     ),
 }  # fmt: skip
+# The dense families of 2025: OLMo 3 (OLMo 2 with sliding and full layers, a rope per kind), EXAONE 4 (norms after
+# each block only, per-head QK-norms, full layers without rotary embedding beside sliding ones), Apertus (an ungated
+# xIELU MLP, QK-norms, Llama 3 rope), Seed-OSS (q/k/v biases, o's own key), HunYuan dense (QK-norms after the rotary
+# embedding, NTK alpha), ERNIE 4.5 (interleaved rotary, one bias key for every linear; its MoE: DeepSeek's router
+# scoring by a softmax, a correction bias, a float32 gate, shared experts, the MoE layers a range of them), and
+# Ministral 3 (Mistral with attention temperature over its yarn rope's original context).
+_ERNIE = dict(attention_bias_key="use_bias", mlp_bias_key="use_bias", interleaved_rotary=True)
+ARCHITECTURES |= {
+    "Olmo3ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_whole=True, attention_bias_key="attention_bias", norms=OLMO2_NORMS,
+        norm_weight_offset=0.0, rope_types=(*ROPES, "llama3"),
+    ),
+    "Exaone4ForCausalLM": Architecture(
+        qk_norm=True, norms=LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+        nope_full_attention=True, rope_types=(*ROPES, "llama3"),
+    ),
+    "ApertusForCausalLM": Architecture(
+        qk_norm=True, attention_bias_key="attention_bias", gated_mlp=False, rope_types=(*ROPES, "llama3"),
+        norms=LayerNorms("attention_layernorm", None, "feedforward_layernorm", None),
+    ),
+    "SeedOssForCausalLM": Architecture(
+        qkv_bias_key="attention_bias", o_bias_key="attention_out_bias", mlp_bias_key="mlp_bias", rope_types=ROPES
+    ),
+    "HunYuanDenseV1ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_after_rotary=True, attention_bias_key="attention_bias", rope_types=("default", "dynamic")
+    ),
+    "Ernie4_5ForCausalLM": Architecture(**_ERNIE),
+    "Ernie4_5_MoeForCausalLM": Architecture(
+        **_ERNIE, unused_tensors=("model.mtp_",), fixed_values=(("moe_norm_min", 1e-12),),
+        experts=Experts(
+            renormalize=True, router="grouped_topk", scoring="softmax", float32_router=True,
+            shared_experts_key="moe_num_shared_experts",
+            layer_range_keys=("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
+        ),
+    ),
+    "Ministral3ForCausalLM": Architecture(rope_types=ROPES, query_temperature=True),
+}  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -266,6 +194,12 @@ class TextModel:
     prefixes: tuple[tuple[str, str], ...]
     """Where its tensors sit: (the checkpoint's prefix, the language model's); the vision tower and the projector,
     under none of them, are not loaded."""
+    by_model_type: tuple[tuple[str, str], ...] = ()
+    """Where the wrapper's language model varies: (its text_config's ``model_type``, the architecture it runs)."""
+
+    def language_model(self, text_config: object) -> str:
+        """The architecture of the language model that ``text_config`` describes."""
+        return dict(self.by_model_type).get(getattr(text_config, "model_type", None), self.architecture)
 
 
 _QWEN_VL_LAYOUT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
@@ -273,6 +207,12 @@ TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": TextModel("Gemma3ForCausalLM", (("language_model.", ""),)),
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
+    # Mistral Small 3.1 (a Mistral language model) and Ministral 3, in either layout transformers writes
+    "Mistral3ForConditionalGeneration": TextModel(
+        "MistralForCausalLM",
+        (*_QWEN_VL_LAYOUT, ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        by_model_type=(("ministral3", "Ministral3ForCausalLM"),),
+    ),
 }
 """Multimodal checkpoints whose language model nanostream serves on its own: the wrapper's architecture -> its
 language model."""

@@ -14,11 +14,12 @@ import math
 from typing import Any
 
 from nanostream.errors import ModelLoadError
-from nanostream.layers.activation import ACTIVATIONS
+from nanostream.layers.activation import ACTIVATIONS, UNGATED_ACTIVATIONS
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
+from nanostream.models.attention_config import attention_fields
 from nanostream.models.layer_kinds import attention_output_gate, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
@@ -121,15 +122,16 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     arch = ARCHITECTURES[name]
     _refuse_unsupported(hf_config, name, arch)
     act = getattr(hf_config, arch.activation_key, None) or "silu"
-    if act not in ACTIVATIONS:
+    if act not in (ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS):
         raise ModelLoadError(
             f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
-            f"{', '.join(ACTIVATIONS)}"
+            f"{', '.join(ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS)}"
         )
     rope, sliding_rope = _ropes(hf_config, name, arch)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
+    o_bias = attention_bias or bool(arch.o_bias_key and getattr(hf_config, arch.o_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
     windows = _layer_windows(hf_config, name, arch, max_model_len)
@@ -150,7 +152,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         rope=rope,
         max_position=hf_config.max_position_embeddings,
         qkv_bias=qkv_bias or attention_bias,
-        o_bias=attention_bias,
+        o_bias=o_bias,
         qk_norm=qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         mlp_bias=mlp_bias,
@@ -158,13 +160,14 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         norms=arch.norms,
         norm_weight_offset=arch.norm_weight_offset,
         qk_norm_whole=arch.qk_norm_whole,
-        activation=ACTIVATIONS[act],
+        activation=ACTIVATIONS[act] if arch.gated_mlp else act,
+        mlp_gated=arch.gated_mlp,
         scale_embeddings=arch.scale_embeddings,
         **_multipliers(hf_config, name, arch),
         attention_sinks=arch.attention_sinks,
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
-        rope_layers=_rope_layers(hf_config, name, arch),
+        **attention_fields(hf_config, name, arch),
         token_mixers=mixers,
         gated_deltanet=gated_deltanet,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
@@ -207,14 +210,3 @@ def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, flo
     if arch.final_logit_softcap and getattr(hf_config, "final_logit_softcapping", None) is not None:
         out["final_logit_softcap"] = positive("final_logit_softcapping")
     return out
-
-
-def _rope_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[bool, ...]:
-    if not arch.no_rope_layers:
-        return ()
-    flags = getattr(hf_config, "no_rope_layers", None)
-    if flags is None:
-        return ()
-    if len(flags) != hf_config.num_hidden_layers or any(f not in (0, 1) for f in flags):
-        raise ModelLoadError(f"{name} with no_rope_layers={flags!r}: nanostream needs a 0 or 1 per layer")
-    return tuple(bool(f) for f in flags)

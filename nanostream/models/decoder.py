@@ -119,6 +119,8 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
         "q_norm": ("attn.q_norm", None),
         "k_norm": ("attn.k_norm", None),
+        "query_layernorm": ("attn.q_norm", None),  # HunYuan's names of its QK-norms
+        "key_layernorm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
         "k_scale": ("attn.kv_scales.k_scale", None),  # an FP8 KV cache's scales (llm-compressor's, vLLM's names)
         "v_scale": ("attn.kv_scales.v_scale", None),
@@ -132,11 +134,13 @@ class DecoderForCausalLM(nn.Module):
     }
     # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts
     checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert"}
-    # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block
+    # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block, ERNIE 4.5 in
+    # the MoE block's moe_statics
     checkpoint_suffixes = {
-        f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
-        for block in ("block_sparse_moe", "mlp")
-    }
+        **{f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
+           for block in ("block_sparse_moe", "mlp")},
+        "mlp.moe_statics.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+    }  # fmt: skip
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).
     checkpoint_expert_tensors = {

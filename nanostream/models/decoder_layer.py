@@ -29,6 +29,7 @@ from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RotaryEmbedding
+from nanostream.layers.xielu import XIELU
 from nanostream.models.sharding import DecoderShard
 from nanostream.models.spec import DecoderSpec
 
@@ -74,6 +75,8 @@ class SelfAttention(nn.Module):
             window=spec.window(layer_idx),
             sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,
             output_gate=spec.attn_output_gate,
+            qk_norm_after_rotary=spec.qk_norm_after_rotary,
+            temperature=spec.temperature(layer_idx),
         )
         self.o_proj = row_parallel_linear(_head_rows(shard.heads, d), spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
@@ -89,6 +92,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.activated(x, self.act))
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))), no gate_proj; the activation a module of its own (xIELU's learned scalars: ``act_fn``)."""
+
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
+        super().__init__()
+        rows = shard.intermediate
+        # the checkpoint's up_proj, under the name of the gated MLP's fused projection (its only part "up")
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"up": (rows, spec.intermediate_size)}, spec.mlp_bias,
+                                          kernels.linear)  # fmt: skip
+        self.act_fn = XIELU()
+        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -207,7 +226,7 @@ def _mlp(
 ) -> nn.Module:
     """Layer ``layer_idx``'s MLP: the MoE block in the layers ``spec.moe`` names, else the dense one."""
     if spec.moe is None or layer_idx not in spec.moe.layers:
-        return MLP(spec, kernels, shard, tp)
+        return MLP(spec, kernels, shard, tp) if spec.mlp_gated else UngatedMLP(spec, kernels, shard, tp)
     act = SiluAndMul(kernels.silu_and_mul)
     return SparseMoE(
         spec.hidden_size,

@@ -12,7 +12,7 @@ from typing import Any
 
 from nanostream.errors import ModelLoadError
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
-from nanostream.models.architectures import Architecture
+from nanostream.models.declarations import Architecture
 
 MIXER_OF_LAYER_TYPE = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 """config.json's ``layer_types`` of a hybrid family -> the token mixer (``spec.TOKEN_MIXERS``)."""

@@ -13,7 +13,7 @@ from typing import Any
 from nanostream.errors import ModelLoadError
 from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.layers.moe_spec import SCORINGS, MoESpec, group_problem
-from nanostream.models.architectures import Experts
+from nanostream.models.declarations import Experts
 
 TOPK_METHODS = ("noaux_tc", "greedy")
 """The ``topk_method`` values of DeepSeek's router that nanostream runs: ``noaux_tc`` (a correction bias steers the
@@ -80,6 +80,19 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
 def _moe_layers(hf_config: Any, arch_name: str, experts: Experts) -> tuple[int, ...]:
     num_layers = hf_config.num_hidden_layers
     layers = tuple(range(num_layers))
+    if experts.layers_key is not None:  # the config lists them
+        listed = getattr(hf_config, experts.layers_key, None)
+        if not isinstance(listed, list | tuple) or not all(isinstance(i, int) and 0 <= i < num_layers for i in listed):
+            raise ModelLoadError(f"{arch_name} with {experts.layers_key}={listed!r}: nanostream needs layer indices")
+        return tuple(sorted(set(listed)))
+    if experts.layer_range_keys is not None:  # from a first to a last layer, every n-th
+        start_key, end_key, step_key = experts.layer_range_keys
+        start, step = count(hf_config, start_key, arch_name), positive_int(hf_config, step_key, arch_name, default=1)
+        end = getattr(hf_config, end_key, -1)
+        end = num_layers - 1 if end is None or end == -1 else end
+        if isinstance(end, bool) or not isinstance(end, int) or end < 0:
+            raise ModelLoadError(f"{arch_name} with {end_key}={end!r}: nanostream needs a layer index or -1")
+        return tuple(i for i in layers if start <= i <= end and (i + 1) % step == 0)
     if experts.sparse_layers:
         step = positive_int(hf_config, "decoder_sparse_step", arch_name, default=1)
         only = getattr(hf_config, "mlp_only_layers", None) or []
@@ -112,7 +125,7 @@ def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: in
     run; {} for another router."""
     if experts.router != "grouped_topk":
         return {}
-    scoring = getattr(hf_config, "scoring_func", None) or "sigmoid"
+    scoring = getattr(hf_config, "scoring_func", None) or experts.scoring
     if scoring not in SCORINGS:
         raise ModelLoadError(
             f"{name} with scoring_func={scoring!r} is not supported; nanostream's router scores by "

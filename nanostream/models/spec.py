@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
 from nanostream.layers.moe_spec import MoESpec
+from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.quantization import Fp8Spec
 
@@ -67,7 +68,11 @@ class DecoderSpec:
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention); empty: every layer full."""
     sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
-    rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3, EXAONE 4, Llama 4: which layers rotate; empty: all
+    qk_norm_after_rotary: bool = False  # the QK-norms on the rotated q and k (HunYuan; Llama 4's weightless L2 norm)
+    mlp_gated: bool = True  # down(act(gate) * up); else down(act(up)) with no gate_proj (Apertus's xIELU MLP)
+    query_temperature: QueryTemperature | None = None  # the queries scaled by position (layers/query_temperature.py)
+    temperature_layers: tuple[bool, ...] = ()  # the layers ``query_temperature`` scales; empty: all
     quantization: Fp8Spec | None = None
     """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
     token_mixers: tuple[str, ...] = ()
@@ -83,6 +88,12 @@ class DecoderSpec:
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def temperature(self, layer: int) -> QueryTemperature | None:
+        """Layer ``layer``'s query temperature (layers/query_temperature.py), or None."""
+        if self.temperature_layers and not self.temperature_layers[layer]:
+            return None
+        return self.query_temperature
 
     def mixer(self, layer: int) -> str:
         """Layer ``layer``'s token mixer, one of ``TOKEN_MIXERS``."""

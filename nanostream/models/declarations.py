@@ -1,0 +1,149 @@
+"""What a family's declaration may say (``Architecture``, its ``Experts`` and ``GatedDeltaNetLayers``): how it departs
+from the one decoder, by feature, never by family name. The declarations themselves are models/architectures.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanostream.models.spec import LayerNorms
+
+LLAMA_NORMS = LayerNorms()
+GEMMA_NORMS = LayerNorms(
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+)
+GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+ROPES = ("default", "linear", "yarn")
+"""The rope types of transformers' generic rotary embedding that a family's configs use."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
+
+    num_experts_key: str = "num_experts"
+    intermediate_key: str = "moe_intermediate_size"
+    """The config key of each expert's intermediate size."""
+    renormalize: bool | None = None
+    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
+    shared_expert: bool = False
+    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
+    sparse_layers: bool = True
+    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
+    float32_weights: bool = False
+    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
+    gpt_oss: bool = False
+    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
+    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
+    interleaved."""
+    router: str = "softmax"
+    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
+    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
+    correction bias steers the choice; ``greedy``: none, no groups)."""
+    groups: bool = False
+    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
+    scaling_key: str | None = None
+    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
+    float32_router: bool = False
+    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
+    and GLM-4.5); else the model's dtype."""
+    first_dense_key: str | None = None
+    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
+    shared_experts_key: str | None = None
+    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
+    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
+    scoring: str = "sigmoid"
+    """grouped_topk: how the router scores an expert where the config has no ``scoring_func``."""
+    layer_range_keys: tuple[str, str, str] | None = None
+    """The config keys of the first MoE layer, the last one (-1: the last layer) and the step between them
+    (``moe_layer_start_index``, ``moe_layer_end_index``, ``moe_layer_interval``); None: ``sparse_layers`` decides."""
+    layers_key: str | None = None
+    """The config key listing the MoE layers (``moe_layers``); None: ``sparse_layers`` decides."""
+    weights_on_input: bool = False
+    """A token's routing weight scales its input to the expert, not the expert's output (a top-1 sigmoid router:
+    sigmoid of the chosen logit, never renormalised)."""
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetLayers:
+    """A hybrid family's ``linear_attention`` layers (config.json's ``layer_types``): Gated DeltaNet, sized by the
+    config's ``linear_*`` keys (layers/gated_deltanet.py)."""
+
+    fused_projections: bool = False
+    """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
+    (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before the rotary embedding."""
+    qk_norm_key: str | None = None
+    """The config key that, when true, turns ``qk_norm`` on (GLM-4.5's ``use_qk_norm``)."""
+    qkv_bias: bool = False
+    """Biases on q, k and v (not o) whatever the config says."""
+    qkv_bias_key: str | None = None
+    """The config key that, when true, puts biases on q, k and v (not o)."""
+    attention_bias_key: str | None = None
+    """The config key that, when true, puts biases on q, k, v and o."""
+    mlp_bias_key: str | None = None
+    """The config key that, when true, puts biases on gate, up and down."""
+    rope_types: tuple[str, ...] = ("default",)
+    """The rotary embeddings (``rope_type``) it may declare."""
+    partial_rotary: bool = False
+    """It honours partial_rotary_factor (Phi-3, GLM-4); elsewhere a factor other than 1 is refused."""
+    interleaved_rotary: bool = False
+    """It rotates pairs of neighbouring dims (GLM-4), not the two halves of a head."""
+    sliding_window_switch: str | None = None
+    """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
+    experts: Experts | None = None
+    """A mixture-of-experts family's MoE layers; None: a dense decoder."""
+    norms: LayerNorms = LLAMA_NORMS
+    """Where its norms sit in a layer, under their checkpoint names."""
+    norm_weight_offset: float | None = None
+    """How its norms round (layers/norm.py): None as Llama's; 0.0 or 1.0 (Gemma's 1 + w) in float32."""
+    qk_norm_whole: bool = False
+    """The QK-norms span the whole q and k projections (OLMo 2), not each head."""
+    activation_key: str = "hidden_act"
+    """The config key naming the MLP's activation."""
+    scale_embeddings: bool = False
+    """The embeddings times sqrt(hidden_size) (Gemma)."""
+    multipliers: bool = False
+    """Granite's embedding_multiplier, residual_multiplier, attention_multiplier and logits_scaling."""
+    query_pre_attn_scalar: bool = False
+    """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma), not head_dim ** -0.5."""
+    final_logit_softcap: bool = False
+    """The config's final_logit_softcapping caps the logits (Gemma)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head in every softmax (gpt-oss)."""
+    no_rope_layers: bool = False
+    """The config's no_rope_layers (0: no rotary embedding in that layer) (SmolLM3)."""
+    attn_output_gate: bool = False
+    """q_proj gives each head's query and an output gate, [query D | gate D]; the attention output is times
+    sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
+    gated_deltanet: GatedDeltaNetLayers | None = None
+    """Its ``linear_attention`` layers; None: every layer attends."""
+    unused_tensors: tuple[str, ...] = ()
+    """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
+    tower): not loaded, one log line each."""
+    mtp_layers_key: str | None = None
+    """The config key counting the multi-token-prediction layers a checkpoint appends to the decoder's, as
+    ``model.layers.{num_hidden_layers + i}``: not loaded, one log line."""
+    o_bias_key: str | None = None
+    """The config key that, when true, puts a bias on o_proj (``attention_out_bias``)."""
+    qk_norm_after_rotary: bool = False
+    """The QK-norms run on the rotated q and k, not before the rotary embedding."""
+    nope_full_attention: bool = False
+    """Where the config has a sliding window, its full-attention layers have no rotary embedding (global NoPE)."""
+    gated_mlp: bool = True
+    """The MLP is down(act(gate) * up); else down(act(up)), with no gate_proj."""
+    query_temperature: bool = False
+    """The queries times 1 + beta * log(1 + floor((position + offset) / floor_scale)) (attention temperature
+    tuning): the config's ``attn_temperature_tuning`` (``attn_scale``, ``floor_scale``, offset 1, on the layers
+    without rotary embedding), or its rope parameters' ``llama_4_scaling_beta`` (over
+    ``original_max_position_embeddings``, offset 0, on every layer)."""
+    fixed_values: tuple[tuple[str, Any], ...] = ()
+    """(config key, the one value nanostream runs, as transformers does whatever the config says): a config without
+    the key, or with that value (a list: in every entry), loads; another value is refused, naming it."""
