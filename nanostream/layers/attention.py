@@ -127,7 +127,8 @@ class Attention(nn.Module):
     load), passed to the backend when the pool is FP8. ``output_gate`` (Qwen3-Next, Qwen3.5): each head's q rows
     are [query D | gate D] (qkv [T, (2 Hq + 2 Hkv) D]) and the output is times sigmoid(gate).
     ``qk_norm_after_rotary``: the per-head QK-norms run on the rotated q and k (then the modules norm and rotate,
-    and a backend's prologue only stores). ``temperature``: the queries scaled by position after both.
+    and the backend stores); ``qk_norm_weightless``: they have no weight. ``temperature``: the queries scaled by
+    position after both. ``chunk``: chunked local attention, a query sees its chunk of that many positions only.
     """
 
     def __init__(
@@ -149,6 +150,8 @@ class Attention(nn.Module):
         output_gate: bool = False,
         qk_norm_after_rotary: bool = False,
         temperature: QueryTemperature | None = None,
+        chunk: int | None = None,
+        qk_norm_weightless: bool = False,
     ) -> None:
         super().__init__()
         self.qk_norm_after_rotary, self.temperature = qk_norm_after_rotary, temperature
@@ -161,6 +164,8 @@ class Attention(nn.Module):
         self.sinks = sinks
         # the backend's defaults (full attention, no sinks) unless this layer departs from them
         self._options = {} if window is None else {"window": window}
+        if chunk is not None:
+            self._options["chunk"] = chunk
         self.kv_scales = KVScales(layer_idx)
         self.backend = backend
         self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
@@ -175,8 +180,9 @@ class Attention(nn.Module):
             self.k_norm = ShardedRMSNorm(qk_norm_whole.k_rows, qk_norm_eps, norm_kernel, norm_weight_offset)
             self.tp = qk_norm_whole.tp
         elif self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
+            learned = not qk_norm_weightless
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset, learned=learned)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset, learned=learned)
 
     def cache_spec(self) -> PagedKV:
         """What the layer keeps per token: K and V of its (this rank's) KV heads."""

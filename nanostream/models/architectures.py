@@ -182,6 +182,28 @@ ARCHITECTURES |= {
     ),
     "Ministral3ForCausalLM": Architecture(rope_types=ROPES, query_temperature=True),
 }  # fmt: skip
+# Llama 4 (Scout, Maverick): chunked local attention in the layers with rotary embedding (interleaved pairs), a NoPE
+# layer every fourth with the queries' temperature, weightless QK-norms after the rotary embedding, and on the MoE
+# layers the config lists a top-1 router whose sigmoid weight scales the token going in, beside one shared expert.
+ARCHITECTURES |= {
+    "Llama4ForCausalLM": Architecture(
+        attention_bias_key="attention_bias", interleaved_rotary=True, rope_types=("default", "llama3"),
+        no_rope_layers=True, chunked_attention=True, query_temperature=True,
+        qk_norm_key="use_qk_norm", weightless_qk_norm=True, qk_norm_after_rotary=True,
+        dense_intermediate_key="intermediate_size_mlp", fixed_values=(("num_experts_per_tok", 1),),
+        experts=Experts(
+            num_experts_key="num_local_experts", intermediate_key="intermediate_size", router="sigmoid",
+            layers_key="moe_layers", weights_on_input=True, shared_expert_size_key="intermediate_size",
+            transposed=True,
+        ),
+    ),
+}  # fmt: skip
+# LFM2: gated short convolutions (a conv state per sequence) beside attention with per-head QK-norms; its MLP's size
+# adjusted from the config's.
+ARCHITECTURES["Lfm2ForCausalLM"] = Architecture(
+    qk_norm=True, short_conv=True, norm_eps_key="norm_eps", auto_adjust_ff_dim=True, rope_types=ROPES,
+    norms=LayerNorms("operator_norm", None, "ffn_norm", None), fixed_values=(("conv_bias", False),),
+)  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -203,16 +225,17 @@ class TextModel:
 
 
 _QWEN_VL_LAYOUT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+_EITHER_LAYOUT = (*_QWEN_VL_LAYOUT, ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+"""transformers 5's layout of a multimodal checkpoint's language model, or the one its 4.x versions wrote."""
 TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": TextModel("Gemma3ForCausalLM", (("language_model.", ""),)),
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
-    # Mistral Small 3.1 (a Mistral language model) and Ministral 3, in either layout transformers writes
+    # Mistral Small 3.1 (a Mistral language model) and Ministral 3
     "Mistral3ForConditionalGeneration": TextModel(
-        "MistralForCausalLM",
-        (*_QWEN_VL_LAYOUT, ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
-        by_model_type=(("ministral3", "Ministral3ForCausalLM"),),
+        "MistralForCausalLM", _EITHER_LAYOUT, by_model_type=(("ministral3", "Ministral3ForCausalLM"),)
     ),
+    "Llama4ForConditionalGeneration": TextModel("Llama4ForCausalLM", _EITHER_LAYOUT),
 }
 """Multimodal checkpoints whose language model nanostream serves on its own: the wrapper's architecture -> its
 language model."""

@@ -17,8 +17,9 @@ from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.models.declarations import Architecture
 
 
-def attention_fields(hf_config: Any, name: str, arch: Architecture) -> dict[str, Any]:
-    """The ``DecoderSpec`` fields of the attention layers' departures (models/spec.py)."""
+def attention_fields(hf_config: Any, name: str, arch: Architecture, max_model_len: int) -> dict[str, Any]:
+    """The ``DecoderSpec`` fields of the attention layers' departures (models/spec.py). ``max_model_len``: chunks
+    at least that long hide no token, so a model whose chunks all are runs without them."""
     rope_layers = _rope_layers(hf_config, name, arch)
     temperature, layers = _query_temperature(hf_config, name, arch, rope_layers)
     return dict(
@@ -26,7 +27,26 @@ def attention_fields(hf_config: Any, name: str, arch: Architecture) -> dict[str,
         qk_norm_after_rotary=arch.qk_norm_after_rotary,
         query_temperature=temperature,
         temperature_layers=layers,
+        layer_chunks=_layer_chunks(hf_config, name, arch, max_model_len),
+        qk_norm_layers=rope_layers if arch.weightless_qk_norm else (),
+        qk_norm_weightless=arch.weightless_qk_norm,
     )
+
+
+def _layer_chunks(hf_config: Any, name: str, arch: Architecture, max_model_len: int) -> tuple[int | None, ...]:
+    """Each layer's attention chunk (None: full attention); empty when no chunk hides a token."""
+    size = getattr(hf_config, "attention_chunk_size", None) if arch.chunked_attention else None
+    if size is None:
+        return ()
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ModelLoadError(f"{name} with attention_chunk_size={size!r}: nanostream needs a positive integer")
+    types = hf_config.layer_types
+    kinds = ("chunked_attention", "full_attention")
+    if len(types) != hf_config.num_hidden_layers or any(t not in kinds for t in types):
+        raise ModelLoadError(f"{name} with layer_types {types!r}: nanostream runs {' and '.join(kinds)}, one a layer")
+    if size >= max_model_len:
+        return ()
+    return tuple(size if t == "chunked_attention" else None for t in types)
 
 
 def _rope_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[bool, ...]:

@@ -20,7 +20,7 @@ from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
 from nanostream.models.attention_config import attention_fields
-from nanostream.models.layer_kinds import attention_output_gate, token_mixers
+from nanostream.models.layer_kinds import attention_output_gate, short_conv_layers, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
 from nanostream.models.quantization import fp8_spec
@@ -138,17 +138,18 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
     mixers, gated_deltanet = token_mixers(hf_config, name, arch)
+    conv_mixers, short_conv = short_conv_layers(hf_config, name, arch)
     return DecoderSpec(
         architecture=name,
         quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=_dense_intermediate_size(hf_config, moe),
+        intermediate_size=_dense_intermediate_size(hf_config, moe, arch),
         num_layers=hf_config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps,
+        rms_norm_eps=getattr(hf_config, arch.norm_eps_key),
         rope=rope,
         max_position=hf_config.max_position_embeddings,
         qkv_bias=qkv_bias or attention_bias,
@@ -167,8 +168,9 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         attention_sinks=arch.attention_sinks,
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
-        **attention_fields(hf_config, name, arch),
-        token_mixers=mixers,
+        **attention_fields(hf_config, name, arch, max_model_len),
+        token_mixers=mixers or conv_mixers,
+        short_conv=short_conv,
         gated_deltanet=gated_deltanet,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
         unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
@@ -183,11 +185,20 @@ def _mtp_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[str, ...
     return tuple(f"model.layers.{first + i}." for i in range(count(hf_config, arch.mtp_layers_key, name)))
 
 
-def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None) -> int:
-    """The dense MLP's intermediate size; 0 where every layer is MoE and the config has none (Qwen3.5-MoE's)."""
+def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None, arch: Architecture) -> int:
+    """The dense MLP's intermediate size (config key ``arch.dense_intermediate_key``, LFM2's adjusted); 0 where
+    every layer is MoE and the config has none (Qwen3.5-MoE's)."""
+    key = arch.dense_intermediate_key
     if moe is not None and len(moe.layers) == hf_config.num_hidden_layers:
-        return getattr(hf_config, "intermediate_size", 0)
-    return hf_config.intermediate_size
+        return getattr(hf_config, key, 0)
+    size = getattr(hf_config, key)
+    if arch.auto_adjust_ff_dim and getattr(hf_config, "block_auto_adjust_ff_dim", False):
+        size = int(2 * size / 3)  # as transformers' LFM2 rounds it
+        multiplier = getattr(hf_config, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            multiple = positive_int(hf_config, "block_multiple_of", hf_config.architectures[0])
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return size
 
 
 def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, float | None]:

@@ -39,9 +39,10 @@ class Experts:
     SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
     interleaved."""
     router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
-    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
-    correction bias steers the choice; ``greedy``: none, no groups)."""
+    """The router's kind (layers/moe_spec.py's ``ROUTERS``; ``sigmoid``: the top-k logits, each weight its sigmoid).
+    ``grouped_topk``, DeepSeek's (layers/grouped_router.py): the config's ``scoring_func`` (sigmoid when it has
+    none) and ``topk_method`` (``noaux_tc`` when it has none: a correction bias steers the choice; ``greedy``: none,
+    no groups)."""
     groups: bool = False
     """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
     scaling_key: str | None = None
@@ -62,8 +63,12 @@ class Experts:
     layers_key: str | None = None
     """The config key listing the MoE layers (``moe_layers``); None: ``sparse_layers`` decides."""
     weights_on_input: bool = False
-    """A token's routing weight scales its input to the expert, not the expert's output (a top-1 sigmoid router:
-    sigmoid of the chosen logit, never renormalised)."""
+    """A token's routing weight scales its input to its one expert, not the expert's output (top-1 routing)."""
+    shared_expert_size_key: str | None = None
+    """The config key of the intermediate size of one ungated shared expert beside the routed ones (Llama 4's
+    ``intermediate_size``, the routed experts' own)."""
+    transposed: bool = False
+    """The checkpoint's stacked experts are [E, H, 2I] and [E, I, H], inputs first (gate and up halves)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,13 @@ class Architecture:
     attn_output_gate: bool = False
     """q_proj gives each head's query and an output gate, [query D | gate D]; the attention output is times
     sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
+    short_conv: bool = False
+    """Its ``layer_types``' ``conv`` layers are gated short convolutions (``conv_L_cache`` wide), beside attention."""
+    norm_eps_key: str = "rms_norm_eps"
+    """The config key of the RMSNorms' epsilon."""
+    auto_adjust_ff_dim: bool = False
+    """The config's ``block_auto_adjust_ff_dim`` shrinks the MLP's intermediate size to 2/3, times
+    ``block_ffn_dim_multiplier``, rounded up to a multiple of ``block_multiple_of``."""
     gated_deltanet: GatedDeltaNetLayers | None = None
     """Its ``linear_attention`` layers; None: every layer attends."""
     unused_tensors: tuple[str, ...] = ()
@@ -139,6 +151,14 @@ class Architecture:
     """Where the config has a sliding window, its full-attention layers have no rotary embedding (global NoPE)."""
     gated_mlp: bool = True
     """The MLP is down(act(gate) * up); else down(act(up)), with no gate_proj."""
+    chunked_attention: bool = False
+    """The config's ``attention_chunk_size`` splits the sequence into chunks, and its ``layer_types``'
+    ``chunked_attention`` layers attend within a query's chunk only (chunked local attention)."""
+    weightless_qk_norm: bool = False
+    """The QK-norms have no weight (an L2 norm of each head, scaled to RMS 1), in the layers with rotary embedding
+    only; with ``qk_norm_key`` the config turns them on."""
+    dense_intermediate_key: str = "intermediate_size"
+    """The config key of the dense MLP's intermediate size."""
     query_temperature: bool = False
     """The queries times 1 + beta * log(1 + floor((position + offset) / floor_scale)) (attention temperature
     tuning): the config's ``attn_temperature_tuning`` (``attn_scale``, ``floor_scale``, offset 1, on the layers

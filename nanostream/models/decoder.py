@@ -119,8 +119,10 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
         "q_norm": ("attn.q_norm", None),
         "k_norm": ("attn.k_norm", None),
-        "query_layernorm": ("attn.q_norm", None),  # HunYuan's names of its QK-norms
+        "query_layernorm": ("attn.q_norm", None),  # HunYuan's names of its QK-norms, LFM2's
         "key_layernorm": ("attn.k_norm", None),
+        "q_layernorm": ("attn.q_norm", None),
+        "k_layernorm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
         "k_scale": ("attn.kv_scales.k_scale", None),  # an FP8 KV cache's scales (llm-compressor's, vLLM's names)
         "v_scale": ("attn.kv_scales.v_scale", None),
@@ -132,14 +134,22 @@ class DecoderForCausalLM(nn.Module):
         "in_proj_qkvz": ("in_proj", "qkvz"),
         "in_proj_ba": ("in_proj", "ba"),
     }
-    # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts
-    checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert"}
+    # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts, Llama 4's
+    # of its MLP
+    checkpoint_aliases = {
+        "block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert", "feed_forward": "mlp"
+    }  # fmt: skip
     # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block, ERNIE 4.5 in
     # the MoE block's moe_statics
     checkpoint_suffixes = {
         **{f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
            for block in ("block_sparse_moe", "mlp")},
         "mlp.moe_statics.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+        # LFM2's names: its attention's output projection, its MLP's w1/w3/w2, its final norm
+        "self_attn.out_proj.weight": "self_attn.o_proj.weight",
+        **{f"feed_forward.{w}.weight": f"feed_forward.{n}.weight"
+           for w, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+        "embedding_norm.weight": "norm.weight",
     }  # fmt: skip
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).

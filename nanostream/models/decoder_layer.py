@@ -29,6 +29,7 @@ from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.rotary import RotaryEmbedding
+from nanostream.layers.short_conv import ShortConv
 from nanostream.layers.xielu import XIELU
 from nanostream.models.sharding import DecoderShard
 from nanostream.models.spec import DecoderSpec
@@ -67,7 +68,7 @@ class SelfAttention(nn.Module):
             spec.head_dim,
             rotary,
             kernels.attention,
-            qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+            qk_norm_eps=spec.rms_norm_eps if spec.has_qk_norm(layer_idx) else None,
             norm_kernel=kernels.rms_norm,
             norm_weight_offset=spec.norm_weight_offset,
             qk_norm_whole=WholeProjectionNorms(_head_rows(shard.heads, d), kv_rows, tp) if spec.qk_norm_whole else None,
@@ -77,6 +78,8 @@ class SelfAttention(nn.Module):
             output_gate=spec.attn_output_gate,
             qk_norm_after_rotary=spec.qk_norm_after_rotary,
             temperature=spec.temperature(layer_idx),
+            chunk=spec.chunk(layer_idx),
+            qk_norm_weightless=spec.qk_norm_weightless,
         )
         self.o_proj = row_parallel_linear(_head_rows(shard.heads, d), spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
@@ -134,6 +137,10 @@ class DecoderLayer(nn.Module):
             )
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
+        elif self.kind == "short_conv":
+            conv = ShortConv(spec.short_conv, layer_idx, shard.conv_channels, tp, kernels.linear)
+            self.conv = conv
+            pieces = (conv.in_proj, conv.mix, conv.out_proj, conv)
         else:
             attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
             self.self_attn = attn

@@ -60,9 +60,15 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
             raise ModelLoadError(f"{arch_name} with shared_expert_intermediate_size={shared!r} is not supported")
     if experts.shared_experts_key is not None:  # DeepSeek's: n experts of the routed ones' size, one ungated MLP
         shared, gated = count(hf_config, experts.shared_experts_key, arch_name) * intermediate, False
+    if experts.shared_expert_size_key is not None:  # one ungated shared expert of its own size
+        shared, gated = positive_int(hf_config, experts.shared_expert_size_key, arch_name), False
     renormalize = experts.renormalize
     if renormalize is None:
         renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
+    fields = dict(
+        router=experts.router, transposed_experts=experts.transposed, weights_on_input=experts.weights_on_input
+    )
+    fields |= _gpt_oss(hf_config, experts) | _grouped_router(hf_config, arch_name, experts, num_experts, top_k)
     return MoESpec(
         num_experts=num_experts,
         top_k=top_k,
@@ -72,8 +78,7 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
         layers=layers,
         shared_expert_intermediate_size=shared,
         shared_expert_gate=gated,
-        **_gpt_oss(hf_config, experts),
-        **_grouped_router(hf_config, arch_name, experts, num_experts, top_k),
+        **fields,
     )
 
 

@@ -15,6 +15,8 @@ bias too).
 
 A Gated DeltaNet layer splits by key heads: rank ``r`` holds key heads ``[r * Hk/n, (r+1) * Hk/n)``, the value
 heads that read them, their conv channels and states, and their columns of out_proj (row parallel, one all-reduce).
+A short convolution layer splits by channels: rank ``r`` holds ``[r * H/n, (r+1) * H/n)`` of each gate, of the conv
+and its state, and those columns of out_proj.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DecoderShard:
     expert_intermediate: range = range(0)  # of every expert (MoE layers)
     shared_intermediate: range = range(0)  # of Qwen2-MoE's shared expert
     linear_k_heads: range = range(0)  # the Gated DeltaNet layers' key heads (and the value heads that read them)
+    conv_channels: range = range(0)  # the short convolution layers' channels (of the hidden size)
 
     @property
     def num_heads(self) -> int:
@@ -80,6 +83,10 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
             f"linear_num_key_heads ({gdn.num_k_heads}) is not divisible by it (a Gated DeltaNet layer splits by key "
             "heads)"
         )
+    if spec.short_conv is not None and spec.hidden_size % size:
+        problems.append(
+            f"hidden_size ({spec.hidden_size}) is not divisible by it (a short convolution splits by channels)"
+        )
     return problems
 
 
@@ -111,4 +118,5 @@ def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
         expert_intermediate=_split(spec.moe.intermediate_size, rank, size) if spec.moe else range(0),
         shared_intermediate=_split(spec.moe.shared_expert_intermediate_size, rank, size) if spec.moe else range(0),
         linear_k_heads=_split(spec.gated_deltanet.num_k_heads, rank, size) if spec.gated_deltanet else range(0),
+        conv_channels=_split(spec.hidden_size, rank, size) if spec.short_conv else range(0),
     )

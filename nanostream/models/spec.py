@@ -2,8 +2,9 @@
 ``LayerNorms``, where a family's norms sit in a layer. Plain values: the decoder (models/decoder.py), its sharding
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
 
-Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py) or Gated DeltaNet
-(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5), each declaring its cache.
+Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py), Gated DeltaNet
+(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5) or a gated short convolution
+(layers/short_conv.py, LFM2's ``conv`` layers), each declaring its cache.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from nanostream.layers.delta_rule import GatedDeltaNetSpec
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.layers.rotary import RopeSpec
+from nanostream.layers.short_conv import ShortConvSpec
 from nanostream.models.quantization import Fp8Spec
 
-TOKEN_MIXERS = ("attention", "gated_deltanet")
+TOKEN_MIXERS = ("attention", "gated_deltanet", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,16 @@ class DecoderSpec:
     mlp_gated: bool = True  # down(act(gate) * up); else down(act(up)) with no gate_proj (Apertus's xIELU MLP)
     query_temperature: QueryTemperature | None = None  # the queries scaled by position (layers/query_temperature.py)
     temperature_layers: tuple[bool, ...] = ()  # the layers ``query_temperature`` scales; empty: all
+    layer_chunks: tuple[int | None, ...] = ()
+    """Each layer's attention chunk (chunked local attention: a query sees its chunk only; None: none); empty: none."""
+    qk_norm_layers: tuple[bool, ...] = ()  # the layers with QK-norms (where ``qk_norm``); empty: all
+    qk_norm_weightless: bool = False  # the QK-norms have no weight (Llama 4's L2 norm)
     quantization: Fp8Spec | None = None
     """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
     token_mixers: tuple[str, ...] = ()
     """Each layer's token mixer, one of ``TOKEN_MIXERS``; empty: attention in every layer."""
     gated_deltanet: GatedDeltaNetSpec | None = None  # the Gated DeltaNet layers' shape
+    short_conv: ShortConvSpec | None = None  # the short convolution layers' shape (LFM2's ``conv`` layers)
     attn_output_gate: bool = False  # q_proj gives each head [query D | gate D]; the output times sigmoid(gate)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as
@@ -88,6 +95,12 @@ class DecoderSpec:
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def chunk(self, layer: int) -> int | None:
+        return self.layer_chunks[layer] if self.layer_chunks else None
+
+    def has_qk_norm(self, layer: int) -> bool:
+        return self.qk_norm and (not self.qk_norm_layers or self.qk_norm_layers[layer])
 
     def temperature(self, layer: int) -> QueryTemperature | None:
         """Layer ``layer``'s query temperature (layers/query_temperature.py), or None."""

@@ -28,14 +28,32 @@ FAMILY_CONFIGS: dict[str, dict] = {
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5,
         ),
     ),
+    # Llama 4: chunks of 32 in three layers of four, the fourth without rotary embedding and with the queries'
+    # temperature stepping every 16 positions; the MoE layers 1 and 3 (top 1 of 4 experts and a shared one)
+    "Llama4ForCausalLM": dict(
+        head_dim=16, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+        interleave_moe_layer_step=2, attention_chunk_size=32, floor_scale=16, attn_scale=0.5,
+        rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=256, rope_theta=500000.0),
+    ),
+    # LFM2: short convolutions (kernel 3) around two attention layers; its MLP shrunk to 2/3, rounded up to 32s
+    "Lfm2ForCausalLM": dict(
+        head_dim=16, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        conv_L_cache=3, intermediate_size=192, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+    ),
 }  # fmt: skip
-FAMILY_CONFIG_CLASSES: dict[str, str] = {}
+FAMILY_CONFIG_CLASSES: dict[str, str] = {"Llama4ForCausalLM": "Llama4TextConfig"}
 """Architectures whose config class is not ``<prefix>Config`` (the text model's, not the multimodal one)."""
 FAMILY_MULTIMODAL: dict[str, tuple[str, str, dict]] = {
     "Mistral3ForConditionalGeneration": (
         "Ministral3ForCausalLM", "Mistral3Config",
         dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
              num_attention_heads=2, head_dim=16, image_size=32, patch_size=16),
+    ),
+    "Llama4ForConditionalGeneration": (
+        "Llama4ForCausalLM", "Llama4Config",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+             patch_size=16, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
     ),
 }  # fmt: skip
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
@@ -49,5 +67,8 @@ FAMILY_PRESETS: dict[str, dict] = {
     "ernie4_5_moe": dict(architecture="Ernie4_5_MoeForCausalLM", seed=36, tie_word_embeddings=False),
     "ministral3": dict(architecture="Ministral3ForCausalLM", seed=37, tie_word_embeddings=False),
     "mistral3_vl": dict(architecture="Mistral3ForConditionalGeneration", seed=38, tie_word_embeddings=False),
+    "llama4": dict(architecture="Llama4ForCausalLM", seed=39, tie_word_embeddings=False),
+    "llama4_vl": dict(architecture="Llama4ForConditionalGeneration", seed=40, tie_word_embeddings=False),
+    "lfm2": dict(architecture="Lfm2ForCausalLM", seed=41),  # tied, as published
 }
 FAMILY_ARCHITECTURES = (*FAMILY_CONFIGS, *FAMILY_MULTIMODAL)
