@@ -32,6 +32,8 @@ Sections (a failure in one prints its error and the next one runs; without CUDA 
 - fp8: one linear layer at Qwen3-8B's shapes and 1 to 4,096 tokens: bf16 against the block-scaled FP8 GEMM
   (nanostream.kernels.fp8_gemm, activations quantized in the call) and torch._scaled_mm per channel;
   apps/kernel_bench/fp8.py.
+- mla: the paged MLA decode kernel at DeepSeek-V3's latent (512 + 64, bf16) for 16 and 128 heads, 1, 64 and 256
+  sequences of ~1k and ~8k tokens, against its byte floor (each entry read once); apps/kernel_bench/mla.py.
 
 A CUDA error that poisons the process (an illegal address in a kernel under development) ends this
 process's work: what is left runs in a fresh child process, skipping the unit that crashed.
@@ -57,12 +59,13 @@ from kernel_bench.attention import section_kernels, section_window
 from kernel_bench.ceilings import section_ceilings
 from kernel_bench.fp8 import section_fp8
 from kernel_bench.harness import ROOT, ContextLost, Skipped, cuda_alive, free_cuda, short
+from kernel_bench.mla import section_mla
 from kernel_bench.moe import section_moe
 from kernel_bench.report import summary
 from kernel_bench.run import Run, environment
 from kernel_bench.steps import section_prefill, section_steps
 
-SECTIONS = ("ceilings", "kernels", "window", "steps", "prefill", "moe", "fp8")
+SECTIONS = ("ceilings", "kernels", "window", "steps", "prefill", "moe", "fp8", "mla")
 SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "ceilings": section_ceilings,
     "kernels": section_kernels,
@@ -71,6 +74,7 @@ SECTION_FNS: dict[str, Callable[[Run], None]] = {
     "prefill": section_prefill,
     "moe": section_moe,
     "fp8": section_fp8,
+    "mla": section_mla,
 }
 
 

@@ -3,7 +3,8 @@
     python apps/bench.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random
     with random_model(QWEN3_0_6B, {}, "/tmp/qwen3-0.6b-random") as path: ...
 
-The mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b) and Gemma-3-4B are written as
+The mixture-of-experts shapes (Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b, and the latent-attention Moonlight-16B-A3B
+and DeepSeek-V2-Lite) and Gemma-3-4B are written as
 config.json and a tokenizer alone, and run with ``load_format="dummy"`` (``engine_defaults``): random
 weights made on the device, no 8-90 GB file on disk.
 
@@ -28,6 +29,11 @@ QWEN3_30B_A3B = "qwen3-30b-a3b"
 MIXTRAL_8X7B = "mixtral-8x7b"
 GEMMA3_4B = "gemma-3-4b"
 GPT_OSS_20B = "gpt-oss-20b"
+QWEN3_5_9B = "qwen3.5-9b"
+QWEN3_6_35B_A3B = "qwen3.6-35b-a3b"
+QWEN3_6_35B_A3B_FP8 = "qwen3.6-35b-a3b-fp8"
+MOONLIGHT_16B_A3B = "moonlight-16b-a3b"
+DEEPSEEK_V2_LITE = "deepseek-v2-lite"
 
 # make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
 # preset has unless it says otherwise) and each model's departures from it.
@@ -159,6 +165,70 @@ PRESETS: dict[str, dict] = {
         },
     ),
 }
+# Qwen/Qwen3.5-9B's text_config (and Qwen3.6-35B-A3B's, the Qwen3.5-35B-A3B architecture): three Gated DeltaNet
+# layers (16 key heads read by 32 value heads of 128) to each gated full-attention layer (head_dim 256, rotary on a
+# quarter of it), vocabulary 248,320.
+HYBRID = dict(
+    DUMMY,
+    head_dim=256,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+PRESETS[QWEN3_5_9B] = preset(
+    HYBRID,
+    architecture="Qwen3_5ForCausalLM",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    intermediate_size=12288,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
+PRESETS[QWEN3_5_9B]["layer_types"] *= 8
+# 256 experts of 512, 8 per token, and a gated shared expert of 512 in every layer.
+PRESETS[QWEN3_6_35B_A3B] = preset(
+    HYBRID,
+    architecture="Qwen3_5MoeForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=40,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+)
+# Multi-head latent attention (kv_lora_rank 512 + qk_rope_head_dim 64 a token a layer) and DeepSeek's router, both
+# 27 layers of 16 heads of 128 + 64 query/key dims and 128 value dims, no q LoRA, 64 experts of 1,408 (6 a token) and
+# 2 shared, the first layer dense. moonshotai/Moonlight-16B-A3B's config.json (DeepseekV3ForCausalLM: sigmoid scores,
+# a correction bias, renormalised and scaled by 2.446); deepseek-ai/DeepSeek-V2-Lite's (softmax, greedy, DeepSeek's
+# YaRN: factor 40 over 4,096, mscale 0.707).
+_MLA_16B = dict(
+    DUMMY, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
+    first_k_dense_replace=1, n_group=1, topk_group=1,
+)  # fmt: skip
+PRESETS[MOONLIGHT_16B_A3B] = preset(
+    _MLA_16B, architecture="DeepseekV3ForCausalLM", intermediate_size=11264, vocab_size=163840,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446,
+    rope_interleave=True, bos_token_id=163584, eos_token_id=163586,
+)  # fmt: skip
+PRESETS[DEEPSEEK_V2_LITE] = preset(
+    _MLA_16B, architecture="DeepseekV2ForCausalLM", intermediate_size=10944, vocab_size=102400,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, topk_method="greedy", norm_topk_prob=False,
+    routed_scaling_factor=1.0, bos_token_id=100000, eos_token_id=100001,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+)  # fmt: skip
 # Qwen/Qwen3-8B-FP8's quantization_config over the 8B shape: block-wise FP8 (128 x 128, dynamic activations),
 # dummy FP8 weights with their scales made on the device. Its bf16 twin on the same random values:
 # --preset qwen3-8b --tiny-config '{"weights": false}' --load-format dummy.
@@ -168,6 +238,12 @@ PRESETS[QWEN3_8B_FP8] = preset(
     quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                          "weight_block_size": [128, 128]},
 )  # fmt: skip
+
+
+# Qwen3.6-35B-A3B in FP8 (its published -FP8 release's block-wise format), 35 GB: one H100 holds it with room for KV.
+PRESETS[QWEN3_6_35B_A3B_FP8] = preset(
+    PRESETS[QWEN3_6_35B_A3B], quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"]
+)
 
 
 def engine_defaults(preset: str | None) -> dict:

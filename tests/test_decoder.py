@@ -38,7 +38,10 @@ ALL = (
     "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, "
     "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MixtralForCausalLM, "
-    "Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM"
+    "Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM, "
+    "Olmo3ForCausalLM, Exaone4ForCausalLM, ApertusForCausalLM, SeedOssForCausalLM, HunYuanDenseV1ForCausalLM, "
+    "Ernie4_5ForCausalLM, Ernie4_5_MoeForCausalLM, Ministral3ForCausalLM, Llama4ForCausalLM, Lfm2ForCausalLM, "
+    "DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, DeepseekV2ForCausalLM, Mistral4ForCausalLM"
 )
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

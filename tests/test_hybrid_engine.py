@@ -260,3 +260,23 @@ def test_on_a_gpu_in_bfloat16_the_deltanet_runs_flas_kernels_and_a_hit_continues
         fresh = cold.generate(prompts, params, use_tqdm=False)
     assert [o.num_cached_tokens for o in hit] == [96, 96]
     assert [o.token_ids[:4] for o in hit] == [o.token_ids[:4] for o in fresh]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_hybrid_decode_replays_cuda_graphs_with_the_state_slots_as_inputs(hybrid_dirs):
+    # Decode through the captured graphs (the state slots an input, padding rows touching no state) gives the eager
+    # engine's tokens exactly, snapshots taken during decode included: the second turn restores one.
+    path = hybrid_dirs["qwen3_5"]
+    prompts = random_prompts([5, 17, 40, 3, 64, 9], seed=54)
+    params = greedy(40)
+    options = {**ENGINE, "device": "cuda", "dtype": "bfloat16", "max_num_batched_tokens": 128, "max_num_seqs": 12}
+    runs = []
+    for eager in (False, True):
+        with LLM(str(path), **options, enforce_eager=eager) as llm:
+            assert (llm.engine.runner.graphs is None) == eager
+            first = llm.generate(prompts, params, use_tqdm=False)
+            turns = [p + o.token_ids + tail for p, o, tail in zip(prompts, first, random_prompts([4] * 6, seed=55))]
+            second = llm.generate(turns, params, use_tqdm=False)
+        assert all(o.num_cached_tokens >= 32 for o in second)  # a snapshot from the first turn's decode
+        runs.append([o.token_ids for o in first + second])
+    assert runs[0] == runs[1]

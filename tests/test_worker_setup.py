@@ -65,7 +65,8 @@ def test_every_family_and_rope_type_crosses_the_control_channel(name, rope_type,
     assert spec.rope.rope_type == rope_type
     # the config's own default where none is given (Qwen3-Next's and Qwen3.5's: a quarter of each head)
     partial = config.rope_parameters.get("partial_rotary_factor", 1.0) if partial is None else partial
-    assert (spec.rope.rotary_dim is not None) == (partial != 1.0) or spec.rope.interleaved
+    # (latent attention rotates its own qk_rope_head_dim dims whole, whatever share of the head they are)
+    assert (spec.rope.rotary_dim is not None) == (partial != 1.0) or spec.rope.interleaved or spec.latent_attention
     setup = Setup(EngineConfig(model="m", device="cpu"), spec)
     got = decode_setup(encode(setup))
     assert got == setup

@@ -51,7 +51,7 @@ def check_request(
             f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
             f"({limit}); lower max_tokens to at most {limit - n} or shorten the prompt"
         )
-    blocks = block_manager.blocks_needed(n + max_tokens)
+    blocks = block_manager.most_blocks_held(n + max_tokens)
     if blocks > block_manager.num_blocks:
         fits = block_manager.num_blocks * block_manager.block_size
         raise InvalidRequestError(

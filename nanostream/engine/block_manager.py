@@ -9,6 +9,10 @@ block's token ids). A new sequence reuses the leading blocks whose hash *and* to
 A freed block keeps its hash and contents until the block is handed out again; free blocks are
 handed out least-recently-freed first, so the most recently used prefixes survive longest.
 
+A model whose every attention layer has a sliding window (``window``) reads only a sequence's last ``window``
+tokens' KV: the blocks behind it go back to the pool as the sequence advances (their ids stay in its table, never
+read again), cached as a finished sequence's are.
+
 A model with recurrent layers (``states``: engine/state_slots.py) also gives each running sequence a live state
 slot, and a cached prefix is reused only up to its last block that holds a snapshot of the state there: a
 block's snapshot goes with it when it is handed out again.
@@ -49,15 +53,19 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         states: StateSlots | None = None,
         snapshot_interval: int = 0,
+        window: int | None = None,
+        max_chunk: int = 1,
     ) -> None:
         """``states``: the state slots of a model with recurrent layers; ``snapshot_interval``: the tokens between
-        its snapshots (a multiple of ``block_size``)."""
+        its snapshots (a multiple of ``block_size``); ``window``: every attention layer's sliding window is at
+        most this (None: some layer attends to the whole context); ``max_chunk``: the most tokens of a step."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.states = states
         self.snapshot_interval = snapshot_interval or 4 * block_size
+        self.window, self.max_chunk = window, max_chunk
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         # Free blocks as ordered sets (dicts) with O(1) removal. Blocks holding nothing reusable are
@@ -75,6 +83,13 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def most_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at once: all of them, or with a window, those of the
+        window and of two chunks (one scheduled while the one before is still on the device)."""
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens), (self.window - 1 + 2 * self.max_chunk) // self.block_size + 2)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the leading cached blocks that hold exactly this sequence's tokens.
@@ -107,13 +122,18 @@ class BlockManager:
             return True  # the common case, a decode row inside its last block: nothing to allocate
         if prefix_hits:
             assert not seq.block_table and seq.num_computed_tokens == 0
-        revived = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)
         have = len(seq.block_table) + len(prefix_hits)
         computed = seq.num_computed_tokens + len(prefix_hits) * self.block_size
+        behind = self._behind_window(computed) if prefix_hits else 0  # hits no query of it reads: not taken
+        revived = sum(1 for b in prefix_hits[behind:] if self.blocks[b].ref_count == 0)
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - have)
         if revived + fresh > self.num_free_blocks:
             return False
-        for block_id in prefix_hits:
+        if behind:
+            seq.block_table.extend(prefix_hits[:behind])
+            seq.block_hashes.extend(self.blocks[b].block_hash for b in prefix_hits[:behind])
+            seq.released_blocks = behind
+        for block_id in prefix_hits[behind:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_cached[block_id]
@@ -168,16 +188,27 @@ class BlockManager:
             block.snapshot = slot
             self.states.hold(slot, block.block_id)
 
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks of ``seq`` that hold only tokens before every window of its next queries (after
+        ``cache_full_blocks``: they are cached first). A step still on the device that reads one runs before any
+        step that writes it again."""
+        behind = self._behind_window(seq.num_computed_tokens)
+        for block_id in seq.block_table[seq.released_blocks : behind]:
+            self._release(block_id)
+        seq.released_blocks = max(seq.released_blocks, behind)
+
+    def _behind_window(self, num_computed: int) -> int:
+        """The leading blocks that no query from position ``num_computed`` on reads (it sees keys after its
+        position - window); 0 without a window."""
+        return 0 if self.window is None else max(0, num_computed - self.window + 1) // self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; its computed state is forgotten."""
         # Tail blocks first, so a shared prefix outlives the blocks that extend it.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                (self.free_empty if block.block_hash is None else self.free_cached)[block_id] = None
+        for block_id in reversed(seq.block_table[seq.released_blocks :]):
+            self._release(block_id)
         seq.block_table = []  # a new list, not cleared: a tensor-parallel mirror of the old one sees it replaced
+        seq.released_blocks = 0
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
         if seq.state_slot is not None:
@@ -186,6 +217,13 @@ class BlockManager:
                 self.states.release(slot)
             seq.state_slot, seq.state_restore, seq.tail_snapshot = None, None, None
             seq.pending_snapshots.clear()
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            (self.free_empty if block.block_hash is None else self.free_cached)[block_id] = None
 
     def plan_state(self, seq: Sequence, start: int, num_new_tokens: int) -> ChunkState | None:
         """What the chunk of ``seq``'s tokens [start, start + num_new_tokens) does with its state (after

@@ -86,12 +86,9 @@ class LLMEngine:
         # recurrent layers: a live state slot per running sequence, and snapshots for the prefix cache
         states = StateSlots.of_model(config, self.runner.num_state_snapshots, self.runner.state_slot_bytes)
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks,
-            config.kvcache_block_size,
-            config.enable_prefix_caching,
-            states,
-            config.state_snapshot_interval,
-        )
+            self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching, states,
+            config.state_snapshot_interval, self.runner.spec.kv_window, config.max_num_batched_tokens,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

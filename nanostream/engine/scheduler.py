@@ -189,4 +189,5 @@ class Scheduler:
                     self.finish(seq.request_id, reason)
                     continue
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_behind_window(seq)
         return took

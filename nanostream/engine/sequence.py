@@ -56,6 +56,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
+        self.released_blocks = 0  # the leading blocks given back, behind every sliding window (ids stale, unread)
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.logprobs: list[dict[int, float]] = []
         self.admitted = False

@@ -3,6 +3,9 @@ the engine's pools that it gets back.
 
 - ``PagedKV``: softmax attention. Each token's K and V in pages of ``block_size`` tokens (the KV pool,
   engine/runner/kv_pool.py); the layer reads them through a sequence's block table (``AttentionMetadata``).
+- ``PagedLatent``: multi-head latent attention (DeepSeek's MLA). One entry a token, the compressed latent and the
+  shared rope key ``[kv_lora_rank | qk_rope_head_dim]``, in pages of the same blocks and block table as KV; the
+  layer's view is a ``LatentCache`` (layers/latent_attention.py expands or absorbs it).
 - ``RecurrentState``: a linear-attention or convolution layer (Gated DeltaNet). A fixed-size state per sequence
   whatever its length, in a slot of the state pool: ``StateCache`` holds the layer's tensors, one row a slot.
   The engine gives each running sequence a live slot; prefix caching keeps copies of a state at cached block
@@ -32,6 +35,26 @@ class PagedKV:
 
 
 @dataclass(frozen=True)
+class PagedLatent:
+    """A latent-attention layer's cache: one entry of ``width`` values a token (kv_lora_rank + qk_rope_head_dim),
+    whole on every tensor-parallel rank (the heads are split, the latent is not)."""
+
+    width: int
+
+
+@dataclass
+class LatentCache:
+    """A latent-attention layer's view of its pages: [num_blocks, block_size, width] (float8 e4m3 with an FP8 KV
+    cache: each value stored as x / k_scale)."""
+
+    latent: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.latent.shape[1]
+
+
+@dataclass(frozen=True)
 class StateTensor:
     """One tensor of a recurrent layer's per-sequence state: its shape (without the slot dim) and dtype (None:
     the model's)."""
@@ -54,7 +77,7 @@ class RecurrentState:
         return sum(t.nbytes(model_dtype) for t in self.tensors)
 
 
-CacheSpec = PagedKV | RecurrentState
+CacheSpec = PagedKV | PagedLatent | RecurrentState
 
 
 @dataclass
@@ -79,9 +102,26 @@ class StateMetadata:
     zero: list[int] = field(default_factory=list)  # slots zeroed before the forward (fresh sequences) ...
     restore: list[tuple[int, int]] = field(default_factory=list)  # ... and (dst, src) copied: the runner's job
 
+    def decode_copies(self) -> list[tuple[int, int]] | None:
+        """A decode step's snapshots (each after its chunk's one token) as (snapshot slot, live slot) copies to make
+        once the step is computed; None if one is anywhere else."""
+        if any(n != 1 for _, n, _ in self.snapshots):
+            return None
+        return [(slot, self.slots_host[b]) for b, _, slot in self.snapshots]
+
     def snapshots_of(self, b: int) -> list[tuple[int, int]]:
         """Chunk ``b``'s snapshots as (n, slot), n ascending."""
         return sorted((n, slot) for row, n, slot in self.snapshots if row == b)
+
+
+def copy_rows(cache: StateCache, pairs: list[tuple[int, int]]) -> None:
+    """For each (dst, src) of ``pairs``, row src of every tensor of ``cache`` copied into row dst."""
+    if not pairs:
+        return
+    device = cache.tensors[0].device
+    dst, src = (torch.tensor(rows, dtype=torch.int64, device=device) for rows in zip(*pairs))
+    for t in cache.tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -80,6 +80,9 @@ def varlen_delta_rule(
 
 VarlenRule = Callable[..., torch.Tensor]
 """``varlen_delta_rule``'s signature: (qkv, g, beta, weight, conv, ssm, cu_seqlens, heads, decode) -> [T, Hv, Dv]."""
+DecodeRule = Callable[..., torch.Tensor]
+"""kernels/gated_delta_decode.py's ``decode_step``: (qkv, g, beta, weight, conv_pool, ssm_pool, slots, k_heads, dk)
+-> [B, Hv, Dv], the pools advanced in place at rows ``slots``."""
 
 
 def varlen_with_snapshots(

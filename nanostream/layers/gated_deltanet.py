@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor
+from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor, copy_rows
 from nanostream.layers.delta_rule import GatedDeltaNetSpec, GatedRMSNorm, causal_conv1d, gated_delta_rule
-from nanostream.layers.delta_rule_fla import Heads, VarlenRule, varlen_with_snapshots
+from nanostream.layers.delta_rule_fla import DecodeRule, Heads, VarlenRule, varlen_with_snapshots
 from nanostream.layers.linear import Gemm, MergedColumnLinear, TensorSlice, row_parallel_linear
 from nanostream.layers.recurrent_pieces import advance_in_pieces
 
@@ -70,7 +70,7 @@ class GatedDeltaNet(nn.Module):
     ``forward(hidden, ctx)`` runs a step with the engine's state pool; ``step(hidden, cu_seqlens, conv, ssm)``
     runs one on states passed as tensors. The decoder calls the pieces: ``in_proj``, ``mix``, ``out_proj``.
     ``varlen``: the conv and delta rule of a step's sequences in one call (fla-core's kernels, CUDA); None: the torch
-    reference, a sequence at a time."""
+    reference, a sequence at a time. ``decode``: a decode step's, read and written at the slots (CUDA)."""
 
     def __init__(
         self,
@@ -80,10 +80,12 @@ class GatedDeltaNet(nn.Module):
         tp: TensorParallel = SINGLE,
         gemm: Gemm = F.linear,
         varlen: VarlenRule | None = None,
+        decode: DecodeRule | None = None,
     ) -> None:
         super().__init__()
         self.spec, self.layer_idx = spec, layer_idx
         self.varlen = varlen  # all sequences of a step at once (layers/delta_rule_fla.py); None: one by one
+        self.decode = decode  # a decode step in place at the slots (kernels/gated_delta_decode.py); None: as others
         s, r = spec, spec.v_per_k
         self.k_heads = range(s.num_k_heads) if k_heads is None else k_heads
         self.v_heads = range(self.k_heads.start * r, self.k_heads.stop * r)
@@ -152,6 +154,13 @@ class GatedDeltaNet(nn.Module):
                 f"{type(cache).__name__} and {type(states).__name__}"
             )
         conv_pool, ssm_pool = cache.tensors  # [slots, C', K-1], [slots, Hv', Dk, Dv]
+        copies = states.decode_copies() if self.decode is not None and ctx.attn.is_decode else None
+        if copies is not None:  # a token a sequence, in place at the slots (a CUDA graph replays this)
+            qkv, z, beta, g = self._gates(projected)
+            weight, dk = self.conv1d.weight[:, 0], self.spec.head_k_dim
+            core = self.decode(qkv, g, beta, weight, conv_pool, ssm_pool, states.slots, self.num_k_heads, dk)
+            copy_rows(cache, copies)
+            return self.norm(core, z).flatten(1)
         bounds = ctx.attn.cu_seqlens_q_host
         if len(bounds) != len(states.slots_host) + 1:
             raise ValueError(f"{len(bounds) - 1} sequences in the step, {len(states.slots_host)} state slots")

@@ -5,7 +5,8 @@
   too (``nanostream.kernels.norm_act``): one launch each, where a compiled function's call costs its
   guards on the host (the model runs eagerly at prefill). Nothing is left for torch.compile. The MoE
   layers' experts run the fused MoE kernel (``nanostream.kernels.fused_moe``: sorted tokens, grouped
-  GEMMs, no host sync, so CUDA graphs capture it).
+  GEMMs, no host sync, so CUDA graphs capture it). The latent attention layers store and decode with the Triton
+  MLA kernels (``nanostream.kernels.mla_decode``).
 - Otherwise, with ``compile`` (the ``torch`` backend on CUDA with ``torch_compile``): the torch code of the
   elementwise layers (norms, rotary, SiLU-and-mul), torch.compile'd, fuses into one kernel each.
 - Otherwise the torch code, eagerly. The MoE experts' reference (``layers.moe_reference.moe_experts``) is never
@@ -35,13 +36,15 @@ import torch.nn.functional as F
 from nanostream.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from nanostream.layers.attention_backend import AttentionBackend
 from nanostream.layers.batch_invariant import invariant_linear, invariant_moe
-from nanostream.layers.delta_rule_fla import VarlenRule
+from nanostream.layers.delta_rule_fla import DecodeRule, VarlenRule
+from nanostream.layers.latent_ops import LatentKernels
 from nanostream.layers.linear import Gemm
 from nanostream.layers.moe_reference import moe_experts
 from nanostream.layers.moe_spec import MoEFn
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
 from nanostream.layers.rotary import RotaryFn, apply_rotary
 
+REFERENCE_LATENT = LatentKernels()
 RECOMPILE_LIMIT = 16  # per compiled function, where torch.compile takes one
 
 
@@ -57,6 +60,8 @@ class LayerKernels:
     moe: MoEFn = moe_experts  # the routed experts of the MoE layers
     linear: Gemm = F.linear  # the linear layers' and the LM head's GEMM
     delta_rule: VarlenRule | None = None  # Gated DeltaNet's conv and rule, a step at once; None: the reference
+    delta_decode: DecodeRule | None = None  # the same for a decode step, in place at the state slots
+    latent: LatentKernels = REFERENCE_LATENT  # the latent attention layers' store and absorbed decode
 
     @classmethod
     def for_backend(
@@ -74,6 +79,7 @@ class LayerKernels:
         if backend.prologue is not None:
             from nanostream.kernels import norm_act
             from nanostream.kernels.fused_moe import fused_moe
+            from nanostream.kernels.mla_decode import paged_mla_decode, store_latent_entries
 
             return cls(
                 backend,
@@ -81,6 +87,7 @@ class LayerKernels:
                 silu_and_mul=norm_act.silu_and_mul,
                 gelu_tanh_and_mul=norm_act.gelu_tanh_and_mul,
                 moe=fused_moe,
+                latent=LatentKernels(store_latent_entries, paged_mla_decode),
             )
         if compile:
             return cls(

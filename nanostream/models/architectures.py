@@ -4,7 +4,8 @@ language model runs alone (``TEXT_MODELS``).
 All of them run the one decoder of models/decoder.py; a declaration says only how its family departs
 from it. Sizes, epsilon, rope theta, tied embeddings, sliding windows and which layers have them always
 come from the config itself (models/config_reader.py reads them into a ``DecoderSpec``); so do the experts
-of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), and
+of a mixture-of-experts family, under the config keys its ``Experts`` declaration names (models/moe_config.py), a
+latent-attention family's MLA shape (``LatentAttentionLayers``, models/latent_config.py), and
 a hybrid family's Gated DeltaNet layers (``layer_types``' ``linear_attention``, sized by the ``linear_*`` keys:
 models/layer_kinds.py).
 """
@@ -13,15 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanostream.models.declarations import (
-    GEMMA_NORMS,
-    GLM_NORMS,
-    OLMO2_NORMS,
-    ROPES,
-    Architecture,
-    Experts,
-    GatedDeltaNetLayers,
-)
+from nanostream.models.declarations import GEMMA_NORMS, GLM_NORMS, OLMO2_NORMS, ROPES, Architecture, GatedDeltaNetLayers
+from nanostream.models.latent_config import LatentAttentionLayers
+from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -204,6 +199,39 @@ ARCHITECTURES["Lfm2ForCausalLM"] = Architecture(
     qk_norm=True, short_conv=True, norm_eps_key="norm_eps", auto_adjust_ff_dim=True, rope_types=ROPES,
     norms=LayerNorms("operator_norm", None, "ffn_norm", None), fixed_values=(("conv_bias", False),),
 )  # fmt: skip
+# Multi-head latent attention (DeepSeek's MLA) in every layer, DeepSeek's router: DeepSeek-V3 (R1, V3.1, Kimi K2,
+# Moonlight) with its groups, correction bias, dense first layers and multi-token-prediction layers; GLM-4.7-Flash
+# picking its dense layers by name; DeepSeek-V2 (V2-Lite: no q LoRA) scoring by softmax, greedy, unnormalised (its
+# complex rotation is interleaved pairs); Mistral 4 with softmax scores in groups, no bias, its per-position query
+# scale.
+_DEEPSEEK_EXPERTS = dict(
+    num_experts_key="n_routed_experts", float32_weights=True, sparse_layers=False, router="grouped_topk",
+    scaling_key="routed_scaling_factor", first_dense_key="first_k_dense_replace", shared_experts_key="n_shared_experts",
+)  # fmt: skip
+ARCHITECTURES |= {
+    "DeepseekV3ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True),
+    ),
+    "Glm4MoeLiteForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(), rope_types=ROPES, mtp_layers_key="num_nextn_predict_layers",
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, float32_router=True, layer_types_key="mlp_layer_types"),
+    ),
+    "DeepseekV2ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(interleave_key=None), rope_types=ROPES,
+        fixed_values=(("norm_topk_prob", False),),  # transformers' DeepSeek-V2 never renormalises
+        experts=Experts(**_DEEPSEEK_EXPERTS, renormalize=False, float32_router=True, scoring="softmax"),
+    ),
+    "Mistral4ForCausalLM": Architecture(
+        latent_attention=LatentAttentionLayers(query_scale=True), rope_types=ROPES,
+        experts=Experts(**_DEEPSEEK_EXPERTS, groups=True, scoring="softmax", correction_bias=False),
+    ),
+}  # fmt: skip
+UNSUPPORTED_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer choosing each query's keys) "
+    "is not implemented in nanostream",
+}
+"""Architectures refused by name, with the reason."""
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 

@@ -20,6 +20,7 @@ from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
 from nanostream.models.attention_config import attention_fields
+from nanostream.models.latent_config import latent_attention
 from nanostream.models.layer_kinds import attention_output_gate, short_conv_layers, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
@@ -27,10 +28,13 @@ from nanostream.models.quantization import fp8_spec
 from nanostream.models.spec import DecoderSpec
 
 
-def _rope_params(hf_config: Any) -> dict:
-    # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta.
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    return dict(params)
+def _rope_params(hf_config: Any, with_theta: Any = None) -> dict:
+    # transformers 5 keeps everything in rope_parameters; 4.x has rope_scaling (None by default) and rope_theta
+    # (``with_theta``: the config to take it from, there).
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if with_theta is not None and "rope_theta" not in params and getattr(with_theta, "rope_theta", None) is not None:
+        params["rope_theta"] = with_theta.rope_theta
+    return params
 
 
 def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
@@ -127,9 +131,17 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
             f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
             f"{', '.join(ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS)}"
         )
-    rope, sliding_rope = _ropes(hf_config, name, arch)
     num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    mla = mixers = gated_deltanet = short_conv = None
+    if arch.latent_attention is not None:  # every layer: its rope dims are the head_dim the rotary tables know
+        mla, rope = latent_attention(hf_config, name, arch, _rope_params(hf_config, hf_config))
+        sliding_rope, head_dim, mixers = None, mla.qk_rope_head_dim, ("latent_attention",) * hf_config.num_hidden_layers
+    else:
+        rope, sliding_rope = _ropes(hf_config, name, arch)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        mixers, gated_deltanet = token_mixers(hf_config, name, arch)
+        conv_mixers, short_conv = short_conv_layers(hf_config, name, arch)
+        mixers = mixers or conv_mixers
     attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
     o_bias = attention_bias or bool(arch.o_bias_key and getattr(hf_config, arch.o_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
@@ -137,8 +149,6 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     windows = _layer_windows(hf_config, name, arch, max_model_len)
     moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
-    mixers, gated_deltanet = token_mixers(hf_config, name, arch)
-    conv_mixers, short_conv = short_conv_layers(hf_config, name, arch)
     return DecoderSpec(
         architecture=name,
         quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
@@ -169,9 +179,10 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
         **attention_fields(hf_config, name, arch, max_model_len),
-        token_mixers=mixers or conv_mixers,
+        token_mixers=mixers,
         short_conv=short_conv,
         gated_deltanet=gated_deltanet,
+        latent_attention=mla,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
         unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
     )

@@ -1,4 +1,5 @@
-"""What a family's declaration may say (``Architecture``, its ``Experts`` and ``GatedDeltaNetLayers``): how it departs
+"""What a family's declaration may say (``Architecture``, with its ``GatedDeltaNetLayers`` here, its ``Experts`` and
+``LatentAttentionLayers`` beside their readers, models/moe_config.py and models/latent_config.py): how it departs
 from the one decoder, by feature, never by family name. The declarations themselves are models/architectures.py's.
 """
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanostream.models.latent_config import LatentAttentionLayers
+from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
 
 LLAMA_NORMS = LayerNorms()
@@ -17,58 +20,6 @@ GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_atte
 OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 ROPES = ("default", "linear", "yarn")
 """The rope types of transformers' generic rotary embedding that a family's configs use."""
-
-
-@dataclass(frozen=True)
-class Experts:
-    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
-
-    num_experts_key: str = "num_experts"
-    intermediate_key: str = "moe_intermediate_size"
-    """The config key of each expert's intermediate size."""
-    renormalize: bool | None = None
-    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
-    shared_expert: bool = False
-    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
-    sparse_layers: bool = True
-    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
-    float32_weights: bool = False
-    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
-    gpt_oss: bool = False
-    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
-    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
-    interleaved."""
-    router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``; ``sigmoid``: the top-k logits, each weight its sigmoid).
-    ``grouped_topk``, DeepSeek's (layers/grouped_router.py): the config's ``scoring_func`` (sigmoid when it has
-    none) and ``topk_method`` (``noaux_tc`` when it has none: a correction bias steers the choice; ``greedy``: none,
-    no groups)."""
-    groups: bool = False
-    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
-    scaling_key: str | None = None
-    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
-    float32_router: bool = False
-    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
-    and GLM-4.5); else the model's dtype."""
-    first_dense_key: str | None = None
-    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
-    shared_experts_key: str | None = None
-    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
-    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
-    scoring: str = "sigmoid"
-    """grouped_topk: how the router scores an expert where the config has no ``scoring_func``."""
-    layer_range_keys: tuple[str, str, str] | None = None
-    """The config keys of the first MoE layer, the last one (-1: the last layer) and the step between them
-    (``moe_layer_start_index``, ``moe_layer_end_index``, ``moe_layer_interval``); None: ``sparse_layers`` decides."""
-    layers_key: str | None = None
-    """The config key listing the MoE layers (``moe_layers``); None: ``sparse_layers`` decides."""
-    weights_on_input: bool = False
-    """A token's routing weight scales its input to its one expert, not the expert's output (top-1 routing)."""
-    shared_expert_size_key: str | None = None
-    """The config key of the intermediate size of one ungated shared expert beside the routed ones (Llama 4's
-    ``intermediate_size``, the routed experts' own)."""
-    transposed: bool = False
-    """The checkpoint's stacked experts are [E, H, 2I] and [E, I, H], inputs first (gate and up halves)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +88,8 @@ class Architecture:
     ``block_ffn_dim_multiplier``, rounded up to a multiple of ``block_multiple_of``."""
     gated_deltanet: GatedDeltaNetLayers | None = None
     """Its ``linear_attention`` layers; None: every layer attends."""
+    latent_attention: LatentAttentionLayers | None = None
+    """Every layer attends through multi-head latent attention; None: softmax attention of its own K and V."""
     unused_tensors: tuple[str, ...] = ()
     """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
     tower): not loaded, one log line each."""

@@ -124,6 +124,9 @@ class DecoderForCausalLM(nn.Module):
         "q_layernorm": ("attn.q_norm", None),
         "k_layernorm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
+        # a latent attention layer's down-projections of x, both in its qkv_proj (layers/latent_attention.py)
+        "q_a_proj": ("qkv_proj", "q_a"),
+        "kv_a_proj_with_mqa": ("qkv_proj", "kv_a"),
         "k_scale": ("attn.kv_scales.k_scale", None),  # an FP8 KV cache's scales (llm-compressor's, vLLM's names)
         "v_scale": ("attn.kv_scales.v_scale", None),
         # a Gated DeltaNet layer's input projections, all in its in_proj (layers/gated_deltanet.py)

@@ -1,7 +1,8 @@
 """One layer of the shared decoder (models/decoder.py): a token mixer and an MLP, with the family's norms.
 
-The token mixer is the layer's kind (``spec.mixer(i)``): self-attention, or a Gated DeltaNet layer
-(layers/gated_deltanet.py: Qwen3-Next's and Qwen3.5's ``linear_attention``), each in three pieces: its input
+The token mixer is the layer's kind (``spec.mixer(i)``): self-attention, a Gated DeltaNet layer
+(layers/gated_deltanet.py: Qwen3-Next's and Qwen3.5's ``linear_attention``) or latent attention
+(layers/latent_attention.py: DeepSeek's MLA, its q/kv down-projections fused), each in three pieces: its input
 projection (``mixer_in``), the mixing over the step's sequences, which alone reads the step's metadata and the
 layer's cache (``mixer``), and its output projection (``mixer_out``). A ``DecoderLayer`` owns its forward in two
 steps around the mixing, ``attn_in`` (the norms before it, the input projection) and ``attn_out`` (the output
@@ -24,6 +25,7 @@ from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks, WholeProjectionNorms
 from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.gated_deltanet import GatedDeltaNet
+from nanostream.layers.latent_attention import LatentAttention
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
@@ -133,14 +135,22 @@ class DecoderLayer(nn.Module):
         self.kind = spec.mixer(layer_idx)
         if self.kind == "gated_deltanet":
             gdn = GatedDeltaNet(
-                spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear, kernels.delta_rule
-            )
+                spec.gated_deltanet, layer_idx, shard.linear_k_heads, tp, kernels.linear, kernels.delta_rule,
+                kernels.delta_decode,
+            )  # fmt: skip
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
         elif self.kind == "short_conv":
             conv = ShortConv(spec.short_conv, layer_idx, shard.conv_channels, tp, kernels.linear)
             self.conv = conv
             pieces = (conv.in_proj, conv.mix, conv.out_proj, conv)
+        elif self.kind == "latent_attention":
+            mla = LatentAttention(
+                spec.latent_attention, spec.hidden_size, spec.num_heads, shard.heads, spec.rms_norm_eps, layer_idx,
+                rotary, kernels.latent, kernels.rms_norm, kernels.linear, tp,
+            )  # fmt: skip
+            self.self_attn = mla
+            pieces = (mla.qkv_proj, mla, mla.o_proj, mla)
         else:
             attn = SelfAttention(spec, layer_idx, rotary, kernels, shard, tp)
             self.self_attn = attn
@@ -175,7 +185,8 @@ class DecoderLayer(nn.Module):
         self._next = (layer._attn_in, layer.mixer_in) if layer._attn_in is not None else None
 
     def cache_spec(self) -> CacheSpec:
-        """What the layer keeps between steps (this rank's): its mixer's ``PagedKV`` or ``RecurrentState``."""
+        """What the layer keeps between steps (this rank's): its mixer's ``PagedKV``, ``PagedLatent`` or
+        ``RecurrentState``."""
         return self._cache_owner.cache_spec()
 
     def forward(

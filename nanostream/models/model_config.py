@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nanostream.errors import ModelLoadError
-from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, supported_list
+from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, UNSUPPORTED_ARCHITECTURES, supported_list
 
 
 class MissingConfigField(ModelLoadError, AttributeError):
@@ -75,6 +75,9 @@ def supported_architecture(hf_config: Any) -> str:
     """The first of the config's ``architectures`` nanostream runs, a decoder of its own or a multimodal
     checkpoint's language model; ``ModelLoadError`` listing those it runs if none is."""
     architectures = getattr(hf_config, "architectures", None) or []
+    refused = next((a for a in architectures if a in UNSUPPORTED_ARCHITECTURES), None)
+    if refused is not None:
+        raise ModelLoadError(f"{refused} is not supported: {UNSUPPORTED_ARCHITECTURES[refused]}")
     name = next((a for a in architectures if a in ARCHITECTURES or a in TEXT_MODELS), None)
     if name is None:
         raise ModelLoadError(

@@ -1,5 +1,6 @@
 """Reading a mixture-of-experts family's experts from its config.json into a ``MoESpec`` (layers/moe_spec.py), under
-the keys its ``Experts`` declaration names (models/architectures.py), refusing by name what nanostream does not run::
+the keys its ``Experts`` declaration names (the class is here, each family's in models/architectures.py), refusing
+by name what nanostream does not run::
 
     moe = moe_spec(hf_config, "Glm4MoeForCausalLM", ARCHITECTURES["Glm4MoeForCausalLM"].experts)
     moe.router, moe.layers, moe.scaling   # ('grouped_topk', (1, 2, 3), 2.5)
@@ -8,12 +9,71 @@ the keys its ``Experts`` declaration names (models/architectures.py), refusing b
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from nanostream.errors import ModelLoadError
 from nanostream.kernels.expert_ops import ClampedSwiGLU
 from nanostream.layers.moe_spec import SCORINGS, MoESpec, group_problem
-from nanostream.models.declarations import Experts
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts family's config.json describes its MoE layers (layers/moe_spec.py)."""
+
+    num_experts_key: str = "num_experts"
+    intermediate_key: str = "moe_intermediate_size"
+    """The config key of each expert's intermediate size."""
+    renormalize: bool | None = None
+    """Whether the top-k weights are divided by their sum; None: as the config's ``norm_topk_prob`` says."""
+    shared_expert: bool = False
+    """Qwen2-MoE's shared expert (``shared_expert_intermediate_size``), scaled by a sigmoid gate."""
+    sparse_layers: bool = True
+    """``decoder_sparse_step`` and ``mlp_only_layers`` pick the MoE layers (the others are dense); else all are."""
+    float32_weights: bool = False
+    """The routing weights and their sum stay float32 (transformers' Mixtral router), not the model's dtype."""
+    gpt_oss: bool = False
+    """gpt-oss's experts: a biased router whose softmax runs over the top k, biased experts with the clamped
+    SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
+    interleaved."""
+    router: str = "softmax"
+    """The router's kind (layers/moe_spec.py's ``ROUTERS``; ``sigmoid``: the top-k logits, each weight its sigmoid).
+    ``grouped_topk``, DeepSeek's (layers/grouped_router.py): the config's ``scoring_func`` (sigmoid when it has
+    none) and ``topk_method`` (``noaux_tc`` when it has none: a correction bias steers the choice; ``greedy``: none,
+    no groups)."""
+    groups: bool = False
+    """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
+    scaling_key: str | None = None
+    """The config key of the factor the routing weights are multiplied by (``routed_scaling_factor``)."""
+    float32_router: bool = False
+    """The router's weight and correction bias are float32 and its GEMM runs in float32 (transformers' DeepSeek-V3
+    and GLM-4.5); else the model's dtype."""
+    first_dense_key: str | None = None
+    """The config key counting the dense layers before the first MoE one (``first_k_dense_replace``)."""
+    shared_experts_key: str | None = None
+    """The config key counting DeepSeek's shared experts (``n_shared_experts``), each of the routed experts' size,
+    run as one ungated MLP beside them (checkpoint name ``shared_experts``)."""
+    layer_types_key: str | None = None
+    """The config key listing each layer's MLP, ``dense`` or ``sparse`` (GLM-4.7-Flash's ``mlp_layer_types``)."""
+    scoring: str | None = None
+    """grouped_topk: how the family's router always scores (DeepSeek-V2's and Mistral 4's softmax); None: the
+    config's ``scoring_func``."""
+    correction_bias: bool = True
+    """grouped_topk: its ``noaux_tc`` choice adds ``e_score_correction_bias``; False: the family has none (Mistral 4:
+    groups on the plain scores)."""
+    layer_range_keys: tuple[str, str, str] | None = None
+    """The config keys of the first MoE layer, the last one (-1: the last layer) and the step between them
+    (``moe_layer_start_index``, ``moe_layer_end_index``, ``moe_layer_interval``); None: ``sparse_layers`` decides."""
+    layers_key: str | None = None
+    """The config key listing the MoE layers (``moe_layers``); None: ``sparse_layers`` decides."""
+    weights_on_input: bool = False
+    """A token's routing weight scales its input to its one expert, not the expert's output (top-1 routing)."""
+    shared_expert_size_key: str | None = None
+    """The config key of the intermediate size of one ungated shared expert beside the routed ones (Llama 4's
+    ``intermediate_size``, the routed experts' own)."""
+    transposed: bool = False
+    """The checkpoint's stacked experts are [E, H, 2I] and [E, I, H], inputs first (gate and up halves)."""
+
 
 TOPK_METHODS = ("noaux_tc", "greedy")
 """The ``topk_method`` values of DeepSeek's router that nanostream runs: ``noaux_tc`` (a correction bias steers the
@@ -107,6 +167,15 @@ def _moe_layers(hf_config: Any, arch_name: str, experts: Experts) -> tuple[int, 
     if experts.first_dense_key is not None:  # DeepSeek's first_k_dense_replace: dense layers, then MoE ones
         first = count(hf_config, experts.first_dense_key, arch_name)
         layers = tuple(i for i in layers if i >= first)
+    if experts.layer_types_key is not None:  # GLM-4.7-Flash's mlp_layer_types: "dense" or "sparse" per layer
+        types = getattr(hf_config, experts.layer_types_key, None)
+        if types is not None:
+            if len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
+                raise ModelLoadError(
+                    f"{arch_name} with {experts.layer_types_key}={types!r}: nanostream needs 'dense' or 'sparse' for "
+                    f"each of its {num_layers} layers"
+                )
+            layers = tuple(i for i in layers if types[i] == "sparse")
     return layers
 
 
@@ -130,7 +199,7 @@ def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: in
     run; {} for another router."""
     if experts.router != "grouped_topk":
         return {}
-    scoring = getattr(hf_config, "scoring_func", None) or experts.scoring
+    scoring = experts.scoring or getattr(hf_config, "scoring_func", None) or "sigmoid"
     if scoring not in SCORINGS:
         raise ModelLoadError(
             f"{name} with scoring_func={scoring!r} is not supported; nanostream's router scores by "
@@ -157,7 +226,7 @@ def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: in
     return dict(
         router="grouped_topk",
         scoring=scoring,
-        correction_bias=method == "noaux_tc",
+        correction_bias=method == "noaux_tc" and experts.correction_bias,
         groups=groups,
         topk_groups=topk_groups,
         scaling=float(scaling),

@@ -3,8 +3,9 @@
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
 
 Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py), Gated DeltaNet
-(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5) or a gated short convolution
-(layers/short_conv.py, LFM2's ``conv`` layers), each declaring its cache.
+(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5), multi-head latent attention
+(layers/latent_attention.py: DeepSeek's MLA) or a gated short convolution (layers/short_conv.py, LFM2's ``conv``
+layers), each declaring its cache.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
+from nanostream.layers.latent_attention import LatentAttentionSpec
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.layers.rotary import RopeSpec
 from nanostream.layers.short_conv import ShortConvSpec
 from nanostream.models.quantization import Fp8Spec
 
-TOKEN_MIXERS = ("attention", "gated_deltanet", "short_conv")
+TOKEN_MIXERS = ("attention", "gated_deltanet", "latent_attention", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class DecoderSpec:
     """Each layer's token mixer, one of ``TOKEN_MIXERS``; empty: attention in every layer."""
     gated_deltanet: GatedDeltaNetSpec | None = None  # the Gated DeltaNet layers' shape
     short_conv: ShortConvSpec | None = None  # the short convolution layers' shape (LFM2's ``conv`` layers)
+    latent_attention: LatentAttentionSpec | None = None
+    """The latent attention layers' shape (then ``head_dim`` is their rotated dims, qk_rope_head_dim)."""
     attn_output_gate: bool = False  # q_proj gives each head [query D | gate D]; the output times sigmoid(gate)
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
     """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as
@@ -107,6 +111,19 @@ class DecoderSpec:
         if self.temperature_layers and not self.temperature_layers[layer]:
             return None
         return self.query_temperature
+
+    @property
+    def kv_window(self) -> int | None:
+        """The longest sliding window (or attention chunk: a query at p reads from p - p % chunk, within ``chunk``
+        tokens) when every layer that keeps KV has one (the KV a sequence still reads is its last ``kv_window``
+        tokens'); None when one attends to its whole context."""
+        windows = [self._reach(i) for i in range(self.num_layers) if self.mixer(i) == "attention"]
+        return max(windows) if windows and None not in windows else None
+
+    def _reach(self, layer: int) -> int | None:
+        """How many of its last tokens a query of layer ``layer`` may read: its window or its chunk; None: all."""
+        reaches = [r for r in (self.window(layer), self.chunk(layer)) if r is not None]
+        return min(reaches) if reaches else None
 
     def mixer(self, layer: int) -> str:
         """Layer ``layer``'s token mixer, one of ``TOKEN_MIXERS``."""

@@ -13,13 +13,8 @@ from pathlib import Path
 
 import torch
 
-from nanostream.testing.tiny_families import (
-    FAMILY_ARCHITECTURES,
-    FAMILY_CONFIG_CLASSES,
-    FAMILY_CONFIGS,
-    FAMILY_MULTIMODAL,
-    FAMILY_PRESETS,
-)
+from nanostream.testing import tiny_families as families  # the families of issue 57
+from nanostream.testing.tiny_latent import LATENT_ARCHITECTURES, LATENT_PRESETS, TINY_LATENT
 from nanostream.testing.tokenizer import build_tokenizer
 
 TINY_ARCHITECTURES = (
@@ -43,7 +38,8 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
-    *FAMILY_ARCHITECTURES,
+    *families.FAMILY_ARCHITECTURES,
+    *LATENT_ARCHITECTURES,
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
 # the tests' prompts), its own query scale and logit cap; Phi-3's window on every layer; Granite's
@@ -68,7 +64,7 @@ _CONFIG_CLASSES = {  # the text model's config, not the multimodal one
     "Gemma3ForCausalLM": "Gemma3TextConfig",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
-    **FAMILY_CONFIG_CLASSES,
+    **families.FAMILY_CONFIG_CLASSES,
 }
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
 # Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert. DeepSeek's router (GLM-4.5: a dense
@@ -131,7 +127,7 @@ _TINY_VISION = dict(
     depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
 )
 _MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config", _TINY_VISION)}
-_MULTIMODAL |= FAMILY_MULTIMODAL
+_MULTIMODAL |= families.FAMILY_MULTIMODAL
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
@@ -166,7 +162,8 @@ TINY_PRESETS: dict[str, dict] = {
     "qwen3_5_vl": dict(architecture="Qwen3_5ForConditionalGeneration", seed=22),  # with a vision tower
     "glm4_moe": dict(architecture="Glm4MoeForCausalLM", seed=23, tie_word_embeddings=False),
     "minimax_m2": dict(architecture="MiniMaxM2ForCausalLM", seed=24, tie_word_embeddings=False),
-    **FAMILY_PRESETS,
+    **families.FAMILY_PRESETS,
+    **LATENT_PRESETS,
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
 ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
@@ -218,7 +215,8 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(_TINY_DENSE.get(architecture, {}))
     kwargs.update(_TINY_HYBRID.get(architecture, {}))
-    kwargs.update(FAMILY_CONFIGS.get(architecture, {}))
+    kwargs.update(families.FAMILY_CONFIGS.get(architecture, {}))
+    kwargs.update(TINY_LATENT.get(architecture, {}))
     if architecture == "Qwen3_5MoeForCausalLM":
         kwargs.pop("intermediate_size")  # every layer is MoE: its configs have none
     kwargs.update(config_overrides)

@@ -3,6 +3,8 @@ hold them.
 
 - The layers with a ``PagedKV`` spec (softmax attention) share the KV pool (kv_pool.py): one block id names the
   same tokens' K and V in each of them, so a sequence has one block table.
+- The layers with a ``PagedLatent`` spec (multi-head latent attention) page one latent entry a token under the same
+  block ids (their own tensor, [layers, blocks, block_size, width]): a block costs its real bytes, no V half.
 - The layers with a ``RecurrentState`` spec (Gated DeltaNet) share the state pool: one slot id names a
   sequence's state in each of them. Slots 0 .. max_num_seqs - 1 are live (a running sequence's), the rest are
   snapshots the prefix cache keeps (engine/state_slots.py).
@@ -21,7 +23,7 @@ import torch
 
 from nanostream.engine.runner.kv_pool import kv_pool_views
 from nanostream.layers.attention_backend import KVCache
-from nanostream.layers.cache_spec import CacheSpec, PagedKV, RecurrentState, StateCache
+from nanostream.layers.cache_spec import CacheSpec, LatentCache, PagedKV, PagedLatent, RecurrentState, StateCache
 
 
 class CacheLayout:
@@ -30,30 +32,42 @@ class CacheLayout:
     def __init__(self, specs: list[CacheSpec]) -> None:
         self.specs = specs
         self.paged = [i for i, s in enumerate(specs) if isinstance(s, PagedKV)]
+        self.latent = [i for i, s in enumerate(specs) if isinstance(s, PagedLatent)]
         self.recurrent = [i for i, s in enumerate(specs) if isinstance(s, RecurrentState)]
-        unknown = [type(s).__name__ for s in specs if not isinstance(s, PagedKV | RecurrentState)]
+        unknown = [type(s).__name__ for s in specs if not isinstance(s, PagedKV | PagedLatent | RecurrentState)]
         if unknown:
             raise ValueError(f"no pool for the cache specs {sorted(set(unknown))}")
         kv = {(specs[i].num_kv_heads, specs[i].head_dim) for i in self.paged}
         if len(kv) > 1:
             raise ValueError(f"attention layers of different KV shapes {sorted(kv)} in one pool")
         self.kv_shape = kv.pop() if kv else None  # (Hkv, D)
+        widths = {specs[i].width for i in self.latent}
+        if len(widths) > 1:
+            raise ValueError(f"latent attention layers of different widths {sorted(widths)} in one pool")
+        self.latent_width = widths.pop() if widths else None
 
     @property
     def has_state(self) -> bool:
         return bool(self.recurrent)
 
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        """Bytes of one block: K and V of ``block_size`` tokens in every attention layer."""
-        if self.kv_shape is None:
-            return 0
-        hkv, d = self.kv_shape
-        return 2 * len(self.paged) * block_size * hkv * d * kv_dtype.itemsize
+        """Bytes of one block: K and V of ``block_size`` tokens in every attention layer, and their latent entries in
+        every latent attention layer."""
+        kv = latent = 0
+        if self.kv_shape is not None:
+            hkv, d = self.kv_shape
+            kv = 2 * len(self.paged) * hkv * d
+        if self.latent_width is not None:
+            latent = len(self.latent) * self.latent_width
+        return (kv + latent) * block_size * kv_dtype.itemsize
 
     def describe(self, num_blocks: int, block_size: int, num_live: int, num_snapshots: int, slot_bytes: int) -> str:
         """What the pools hold, in a line: "2,048 KV blocks of 16 tokens (4 attention layers); 64 sequences' states
         and 64 prefix-cache snapshots of 1.50 MiB each (12 recurrent layers)"."""
-        kv = f"{num_blocks:,} KV blocks of {block_size} tokens ({_count(len(self.paged), 'attention layer')})"
+        layers = [_count(len(self.paged), "attention layer")] if self.paged else []
+        if self.latent:
+            layers.append(_count(len(self.latent), "latent attention layer"))
+        kv = f"{num_blocks:,} KV blocks of {block_size} tokens ({', '.join(layers) or 'no attention layer'})"
         if not self.recurrent:
             return kv
         return (
@@ -75,15 +89,20 @@ def allocate_caches(
     num_slots: int,
     model_dtype: torch.dtype,
     device: torch.device,
-) -> list[KVCache | StateCache]:
-    """Zeroed pools: the KV blocks of the attention layers and ``num_slots`` state slots of the recurrent ones;
-    each layer's views, in layer order."""
-    caches: list[KVCache | StateCache | None] = [None] * len(layout.specs)
+) -> list[KVCache | LatentCache | StateCache]:
+    """Zeroed pools: the KV blocks of the attention layers (the latent entries of the latent ones) and ``num_slots``
+    state slots of the recurrent ones; each layer's views, in layer order."""
+    caches: list[KVCache | LatentCache | StateCache | None] = [None] * len(layout.specs)
     if layout.kv_shape is not None:
         hkv, d = layout.kv_shape
         views = kv_pool_views(len(layout.paged), num_blocks, block_size, hkv, d, kv_dtype, device)
         for i, view in zip(layout.paged, views, strict=True):
             caches[i] = view
+    if layout.latent_width is not None:
+        pool = torch.zeros(len(layout.latent), num_blocks, block_size, layout.latent_width, dtype=kv_dtype,
+                           device=device)  # fmt: skip
+        for i, view in zip(layout.latent, pool, strict=True):
+            caches[i] = LatentCache(view)
     for i in layout.recurrent:
         tensors = layout.specs[i].tensors
         caches[i] = StateCache(

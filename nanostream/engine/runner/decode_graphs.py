@@ -4,7 +4,9 @@ A decode step launches hundreds of small kernels (28 layers x ~15 for a 0.6B mod
 captured graph removes their launch gaps. Every batch size up to ``max_num_seqs`` maps to the smallest
 bucket that holds it (whatever ``max_num_seqs`` is); padding rows store their K/V nowhere (slot -1)
 and attend to one token. All graphs share one memory pool and one set of static input buffers, whose
-block-table width covers ``max_model_len``.
+block-table width covers ``max_model_len``. A model with recurrent layers (``states``) takes each row's state
+slot as one more input; padding rows have slot -1 and touch no state. A step's snapshots are the caller's to copy
+after the replay (``StateMetadata.decode_copies``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from nanostream.layers.attention_backend import AttentionMetadata
+from nanostream.layers.cache_spec import StateMetadata
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +33,16 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, StateMetadata | None], torch.Tensor],
         *,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        states: bool = False,
     ) -> None:
-        """``forward(input_ids, positions, meta)`` -> hidden states [B, hidden]: the model, graph-safe."""
+        """``forward(input_ids, positions, meta, states)`` -> hidden states [B, hidden]: the model, graph-safe;
+        ``states``: the model keeps recurrent states (its forward gets a ``StateMetadata``)."""
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         n, width = max_num_seqs, -(-max_model_len // block_size)
@@ -48,15 +53,17 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=i32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=i32, device=device)
+        self.state_slots = torch.full((n,), -1, dtype=i64, device=device) if states else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         for bs in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool memory
             meta = self._meta(bs)
-            forward(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up: autotuning, compilation
+            slots = None if self.state_slots is None else StateMetadata(self.state_slots[:bs], [])
+            forward(self.input_ids[:bs], self.positions[:bs], meta, slots)  # warm-up: autotuning, compilation
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = forward(self.input_ids[:bs], self.positions[:bs], meta)
+                hidden = forward(self.input_ids[:bs], self.positions[:bs], meta, slots)
             self.graphs[bs] = (graph, hidden)
         torch.cuda.synchronize(device)
         log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
@@ -73,10 +80,17 @@ class DecodeGraphs:
             seq_lens_host=[1] * bs,
         )
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode and len(meta.seq_lens_host) <= self.buckets[-1]
+    def can_run(self, meta: AttentionMetadata, states: StateMetadata | None = None) -> bool:
+        fits = meta.is_decode and len(meta.seq_lens_host) <= self.buckets[-1]
+        return fits and (states is None or states.decode_copies() is not None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        states: StateMetadata | None = None,
+    ) -> torch.Tensor:
         """Replay the bucket's graph on this decode batch (device tensors); returns hidden [B, hidden]."""
         n = input_ids.shape[0]
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
@@ -88,6 +102,9 @@ class DecodeGraphs:
         self.seq_lens[n:bs].fill_(1)
         # Columns past a row's last block are never read: no need to clear them.
         self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(states.slots)
+            self.state_slots[n:bs].fill_(-1)
         graph, hidden = self.graphs[bs]
         graph.replay()
         return hidden[:n]

@@ -64,6 +64,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype(config)  # the KV pool's: the model's, or float8 e4m3
         self.block_size = config.kvcache_block_size
         self.spec = spec
+        if config.batch_invariant and spec.latent_attention is not None:  # decode absorbed, prompt rows expanded
+            raise ValueError("batch_invariant does not run latent attention (MLA) yet: leave batch_invariant off")
         self.vocab_size = self.spec.vocab_size
         self.device_wait_seconds = 0.0  # the host waiting for the device in collect(), summed
         self.tp, self.control = tp, control
@@ -81,8 +83,11 @@ class ModelRunner:
         kernels = LayerKernels.for_backend(
             self.backend, compile=cuda and config.torch_compile, batch_invariant=config.batch_invariant
         )
-        if fla_runs(self.device, self.dtype) and not config.batch_invariant:  # Gated DeltaNet: fla-core's kernels
-            kernels = dataclasses.replace(kernels, delta_rule=varlen_delta_rule)
+        if cuda:  # Gated DeltaNet: decode steps in place at the state slots; prompts through fla-core's kernels
+            from nanostream.kernels.gated_delta_decode import decode_step
+
+            prompts = varlen_delta_rule if fla_runs(self.device, self.dtype) and not config.batch_invariant else None
+            kernels = dataclasses.replace(kernels, delta_rule=prompts, delta_decode=decode_step)
         self.model = load_model(
             self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp,
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
@@ -104,8 +109,7 @@ class ModelRunner:
         if cuda:  # every rank runs them alike: no control message
             for chunks in short_chunk_steps(config, self.num_kv_blocks):
                 self.collect(self.launch_local(chunks))
-        # A model with recurrent layers runs eagerly: its state slots are not graph inputs (yet)
-        graphs = cuda and not config.enforce_eager and not self.layout.has_state
+        graphs = cuda and not config.enforce_eager
         if graphs and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self._forward,
@@ -113,8 +117,9 @@ class ModelRunner:
                 max_model_len=config.max_model_len,
                 block_size=self.block_size,
                 device=self.device,
+                states=self.layout.has_state,
             )
-        if graphs and tp.size == 1:
+        if graphs and tp.size == 1 and not self.layout.has_state:  # (a recurrent layer's prompts: host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
         if cuda:
             self._warm_logits()
@@ -221,8 +226,10 @@ class ModelRunner:
         that do; refused with tensor parallelism, whose workers do not know of them)."""
         self.uploads.new_step()
         input_ids, positions, meta, sample_rows, states = self.prepare(chunks, prev)
-        if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta, states):
+            hidden = self.graphs.run(input_ids, positions, meta, states)
+            if states is not None:  # the snapshots of the step, which the graph does not take
+                init_states(self.kv_caches, [], states.decode_copies())
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
             hidden = self.prefill_graphs.run(input_ids, positions, ForwardContext(meta, self.kv_caches))
         else:

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issues 55 (Gated DeltaNet hybrids) and 56 (latent attention) on one GPU, one call a stage:
+#   bash apps/gpu_hybrid.sh tests   # the gpu-marked hybrid and MLA tests, bench_gdn.py, the MLA kernel section, ~8 min
+#   bash apps/gpu_hybrid.sh bench   # the bench workload: Qwen3-8B, Qwen3.5-9B, Qwen3.6-35B-A3B (FP8 on an H100,
+#                                   #   bf16 on an H200) shapes, dummy weights, the same call, ~7 min
+#   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
+#   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
+#   bash apps/gpu_hybrid.sh mla     # Moonlight-16B-A3B (bf16, dummy): the bench workload and batch 1, the pool's size
+# Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
+set -uo pipefail
+stage=${1:?usage: gpu_hybrid.sh tests|bench|long|turns|mla}
+site=/tmp/nanostream-site
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$site:$PWD" NCCL_NVLS_ENABLE=0
+out=${OUT:-gpu-out}; mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$out/gpu.txt"
+python3 -c "import torch, transformers, triton, fla; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__, 'fla-core', fla.__version__)" | tee -a "$out/gpu.txt"
+h200=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c H200)
+dummy=(--tiny-config '{"weights": false}' --load-format dummy)
+# bench NAME PRESET [args]: one bench.py run, its summary lines kept
+bench() {
+    local name=$1 preset=$2; shift 2
+    timeout "${BENCH_S:-200}" python3 apps/bench.py --preset "$preset" --backends triton --step-stats "$@" 2>&1 \
+        | grep -v "Loading weights" >"$out/$name.log"
+    echo "== $name"
+    grep -E "^nanostream|^steps|^(with prefill|decode|all) " "$out/$name.log" | tail -n 14
+}
+
+case "$stage" in
+tests)
+    timeout 120 python3 apps/bench_gdn.py 2>&1 | tee "$out/bench_gdn.log" | tail -n 14
+    for f in tests/test_gated_delta_decode.py tests/test_delta_rule_fla.py tests/test_mla_decode_kernel.py; do
+        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$out/$(basename "$f" .py).log" 2>&1 &
+    done
+    wait
+    for f in tests/test_hybrid_engine.py tests/test_gpu_mla.py tests/test_window_blocks.py; do
+        timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 "$f" >"$out/$(basename "$f" .py).log" 2>&1
+    done
+    timeout 150 python3 apps/bench_kernels.py --only mla --budget 120 2>&1 | tee "$out/mla_kernel.log" | tail -n 16
+    for f in "$out"/test_*.log; do echo "== $(basename "$f"): $(tail -n 1 "$f")"; done
+    grep -h -E "^(FAILED|ERROR)" "$out"/test_*.log | head -n 20 ;;
+bench)
+    bench qwen3-8b qwen3-8b "${dummy[@]}"
+    bench qwen3.5-9b qwen3.5-9b
+    if [ "$h200" = 1 ]; then bench qwen3.6-35b-a3b qwen3.6-35b-a3b; else bench qwen3.6-35b-a3b-fp8 qwen3.6-35b-a3b-fp8; fi ;;
+long)
+    long=(--num-requests 64 --min-input-len 16384 --max-input-len 16384 --min-output-len 256 --max-output-len 256
+        --max-model-len 16640 --max-num-seqs 64)
+    BENCH_S=280 bench long-qwen3-8b qwen3-8b "${dummy[@]}" "${long[@]}"
+    BENCH_S=280 bench long-qwen3.5-9b qwen3.5-9b "${long[@]}" ;;
+turns)
+    for preset in qwen3.5-9b qwen3-8b; do
+        extra=(); [ "$preset" = qwen3-8b ] && extra=("${dummy[@]}")
+        timeout 280 python3 apps/bench_multiturn.py --preset "$preset" "${extra[@]}" 2>&1 \
+            | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
+    done ;;
+mla)
+    bench moonlight moonlight-16b-a3b
+    bench moonlight-b1 moonlight-16b-a3b --num-requests 1 --min-input-len 128 --max-input-len 128 \
+        --min-output-len 512 --max-output-len 512
+    bench qwen3-8b-b1 qwen3-8b "${dummy[@]}" --num-requests 1 --min-input-len 128 --max-input-len 128 \
+        --min-output-len 512 --max-output-len 512 ;;
+*)
+    echo "unknown stage $stage" >&2; exit 2 ;;
+esac
