@@ -14,6 +14,7 @@ state, its columns of ``out_proj`` (row parallel: one all-reduce)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor
+from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor, copy_rows
 from nanostream.layers.delta_rule import causal_conv1d
 from nanostream.layers.gated_deltanet import ConvWeight
 from nanostream.layers.linear import Gemm, MergedColumnLinear, row_parallel_linear
@@ -30,6 +31,11 @@ from nanostream.layers.recurrent_pieces import advance_in_pieces
 
 if TYPE_CHECKING:
     from nanostream.layers.attention import ForwardContext
+
+
+ConvDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A decode step's conv in place at the state slots: (x [B, C], weight [C, K], the pool [S, C, K-1], slots [B], < 0:
+padding) -> [B, C] (kernels/gated_delta_decode.py's ``conv_decode`` without SiLU)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,8 @@ class ShortConvSpec:
 
 
 class ShortConv(nn.Module):
-    """The layer over this rank's ``channels`` (None: all), its parameters named as the checkpoints' ``conv.*``."""
+    """The layer over this rank's ``channels`` (None: all), its parameters named as the checkpoints' ``conv.*``.
+    ``decode``: a decode step's conv in place at the slots (a CUDA graph replays it); None: the reference path."""
 
     def __init__(
         self,
@@ -50,10 +57,11 @@ class ShortConv(nn.Module):
         channels: range | None = None,
         tp: TensorParallel = SINGLE,
         gemm: Gemm = F.linear,
+        decode: ConvDecode | None = None,
     ) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.spec, self.layer_idx = spec, layer_idx
+        self.spec, self.layer_idx, self.decode = spec, layer_idx, decode
         self.channels = range(h) if channels is None else channels
         parts = {gate: (self.channels, h) for gate in ("B", "C", "x")}
         self.in_proj = MergedColumnLinear(h, parts, bias=False, gemm=gemm)
@@ -71,12 +79,17 @@ class ShortConv(nn.Module):
         if not isinstance(cache, StateCache) or states is None:
             raise TypeError(f"layer {self.layer_idx} is a short convolution: it needs a StateCache and ctx.states")
         (pool,) = cache.tensors  # [slots, H', K-1]
-        bounds = ctx.attn.cu_seqlens_q_host
         b, c, x = projected.chunk(3, dim=-1)  # [T, H'] each
         bx = b * x
+        weight = self.conv.weight[:, 0]  # [H', K]
+        copies = states.decode_copies() if self.decode is not None and ctx.attn.is_decode else None
+        if copies is not None:  # a token a sequence, in place at the slots (a CUDA graph replays this)
+            y = self.decode(bx, weight, pool, states.slots)
+            copy_rows(cache, copies)
+            return c * y
+        bounds = ctx.attn.cu_seqlens_q_host
         out = torch.empty_like(bx)
         conv = pool.index_select(0, states.slots)  # copies, [B, H', K-1]
-        weight = self.conv.weight[:, 0]  # [H', K]
 
         def advance(piece: slice, i: int) -> None:
             y, new_state = causal_conv1d(bx[piece], weight, conv[i], silu=False)

@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
         elif self.kind == "short_conv":
-            conv = ShortConv(spec.short_conv, layer_idx, shard.conv_channels, tp, kernels.linear)
+            conv = ShortConv(spec.short_conv, layer_idx, shard.conv_channels, tp, kernels.linear, kernels.conv_decode)
             self.conv = conv
             pieces = (conv.in_proj, conv.mix, conv.out_proj, conv)
         elif self.kind == "latent_attention":
