@@ -19,6 +19,7 @@ from test_hf_parity import assert_matches_hf, greedy, random_prompts
 
 from nanostream import LLM
 from nanostream.errors import ModelLoadError
+from nanostream.models.config_reader import decoder_spec
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 from nanostream.testing.tiny_families import FAMILY_PRESETS
 
@@ -91,6 +92,8 @@ def test_triton_kernels_run_the_families_like_transformers(name, family):
         ("ernie4_5_moe", dict(moe_norm_min=0.5), "moe_norm_min"),
         ("llama4", dict(num_experts_per_tok=2), "num_experts_per_tok"),
         ("llama4", dict(attention_chunk_size=0), "attention_chunk_size"),
+        ("lfm2", dict(conv_bias=True), "conv_bias"),
+        ("lfm2", dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "layer_types"),
     ],
 )
 def test_what_a_family_does_not_run_is_refused_by_name(name, overrides, named, tmp_path):
@@ -98,3 +101,45 @@ def test_what_a_family_does_not_run_is_refused_by_name(name, overrides, named, t
     path = make_tiny_model(tmp_path, weights=False, **preset)
     with pytest.raises(ModelLoadError, match=named):
         LLM(str(path), device="cpu", load_format="dummy")
+
+
+def test_a_llama4_whose_every_layer_is_chunked_gives_back_the_blocks_behind_its_chunk(tmp_path):
+    # A query at p reads its chunk alone, [p - p % 16, p]: with no global layer a sequence holds about a chunk and a
+    # step's tokens of blocks, so 10 blocks of 8 (80 tokens) serve prompts of 130 to 300 tokens, token-exact
+    layers = dict(no_rope_layers=[1] * 4, layer_types=["chunked_attention"] * 4, attention_chunk_size=16)
+    path = make_tiny_model(tmp_path, **TINY_PRESETS["llama4"], **layers)
+    hf = transformers.Llama4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts([300, 130, 217], seed=60)
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=8, num_kvcache_blocks=10,
+                   max_num_batched_tokens=24, max_num_seqs=2)  # fmt: skip
+    with LLM(str(path), **options) as llm:
+        assert llm.engine.block_manager.window == 16
+        outputs = llm.generate(prompts, greedy(30), use_tqdm=False)
+    assert_matches_hf(hf, prompts, outputs, 30)
+
+
+def test_the_llama4_scout_preset_reads_as_its_published_config(load_app, tmp_path):
+    path = make_tiny_model(tmp_path, **load_app("presets").PRESETS["llama4-scout-fp8"])  # config.json alone (dummy)
+    spec = decoder_spec(transformers.AutoConfig.from_pretrained(path), max_model_len=32768)
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (48, 40, 8, 128)
+    assert spec.layer_chunks == tuple(None if (i + 1) % 4 == 0 else 8192 for i in range(48))
+    assert spec.rope_layers == tuple((i + 1) % 4 != 0 for i in range(48)) and spec.kv_window is None
+    moe = spec.moe
+    assert (moe.num_experts, moe.top_k, moe.router, moe.layers) == (16, 1, "sigmoid", tuple(range(48)))
+    assert (moe.intermediate_size, moe.shared_expert_intermediate_size, spec.intermediate_size) == (8192, 8192, 16384)
+    assert spec.quantization is not None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_llama4_scout_preset_generates_in_fp8_or_is_refused_with_the_memory_it_needs(load_app, tmp_path):
+    # ~109 GB of FP8 weights: one H200 runs it with room for KV; an H100 (80 GB) refuses it, saying how much it needs
+    path = make_tiny_model(tmp_path, **load_app("presets").PRESETS["llama4-scout-fp8"])
+    try:
+        llm = LLM(str(path), load_format="dummy", max_model_len=32768, max_num_seqs=8)
+    except (ValueError, MemoryError, RuntimeError) as exc:
+        assert torch.cuda.get_device_properties(0).total_memory < 120 * 2**30, exc
+        assert "GiB" in str(exc) or "GB" in str(exc), exc
+        return
+    with llm:
+        out = llm.generate([list(range(5, 300))], greedy(8), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
