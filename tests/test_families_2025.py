@@ -11,6 +11,8 @@ prefix hits and chunks on both sides of the windows' edges, preemption, the fuse
 interpreter, refusals by name.
 """
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -143,3 +145,12 @@ def test_on_a_gpu_the_llama4_scout_preset_generates_in_fp8_or_is_refused_with_th
     with llm:
         out = llm.generate([list(range(5, 300))], greedy(8), use_tqdm=False)
     assert len(out[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("architecture", ["Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"])
+def test_gemma4_is_refused_by_name_with_what_it_lacks(architecture, tmp_path):
+    path = make_tiny_model(tmp_path, **TINY_PRESETS["olmo3"])
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    with pytest.raises(ModelLoadError, match=f"{architecture} is not supported: .*per-layer input embeddings"):
+        LLM(str(path), device="cpu")

@@ -230,6 +230,11 @@ ARCHITECTURES |= {
 UNSUPPORTED_ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer choosing each query's keys) "
     "is not implemented in nanostream",
+    **dict.fromkeys(
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        "Gemma 4's per-layer input embeddings, KV-shared layers and its full layers' own head size and KV heads are "
+        "not implemented in nanostream yet",
+    ),
 }
 """Architectures refused by name, with the reason."""
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
