@@ -129,7 +129,8 @@ class AttentionBackend(ABC):
         *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
+        """``forward`` for new tokens whose K/V are already in ``cache`` (a prologue stored them, or another layer whose
+        pages these are: ``SharedKV``)."""
         raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
 
 
@@ -180,6 +181,12 @@ class TorchAttention(AttentionBackend):
         else:
             cache.k[slots // bs, slots % bs] = k.to(cache.k.dtype)
             cache.v[slots // bs, slots % bs] = v.to(cache.v.dtype)
+        return self.attend(q, cache, meta, scale, window=window, chunk=chunk, sinks=sinks, k_scale=k_scale,
+                           v_scale=v_scale)  # fmt: skip
+
+    def attend(self, q, cache, meta, scale, *, window=None, chunk=None, sinks=None, k_scale=None, v_scale=None):
+        check_window(window, chunk)
+        bs = cache.block_size
         if self.batch_invariant:
             return self._aligned(q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale)
         if meta.is_decode:
