@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issues 55 (Gated DeltaNet hybrids) and 56 (latent attention) on one GPU, one call a stage:
-#   bash apps/gpu_hybrid.sh tests   # the gpu-marked hybrid and MLA tests, bench_gdn.py, the MLA kernel section, ~8 min
+#   bash apps/gpu_hybrid.sh tests   # the gpu-marked hybrid and MLA tests, bench_gdn.py, the MLA kernel section, ~6 min
+#   bash apps/gpu_hybrid.sh first   # tests, then bench's 8B and 9B runs: one call where few are to be had, ~9 min
 #   bash apps/gpu_hybrid.sh bench   # the bench workload: Qwen3-8B, Qwen3.5-9B, Qwen3.6-35B-A3B (FP8 on an H100,
 #                                   #   bf16 on an H200) shapes, dummy weights, the same call, ~7 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
-#   bash apps/gpu_hybrid.sh mla     # Moonlight-16B-A3B (bf16, dummy): the bench workload and batch 1, the pool's size
+#   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
+#                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
 stage=${1:?usage: gpu_hybrid.sh tests|bench|long|turns|mla}
@@ -29,18 +31,24 @@ bench() {
 }
 
 case "$stage" in
-tests)
-    timeout 120 python3 apps/bench_gdn.py 2>&1 | tee "$out/bench_gdn.log" | tail -n 14
+tests|first)
+    # the kernel test files side by side (Triton compiles on the CPU cores), the engine tests one after another
+    # (each engine sizes its pool from the GPU's free memory), then the benches alone
     for f in tests/test_gated_delta_decode.py tests/test_delta_rule_fla.py tests/test_mla_decode_kernel.py; do
-        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" >"$out/$(basename "$f" .py).log" 2>&1 &
+        timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 "$f" >"$out/$(basename "$f" .py).log" 2>&1 &
     done
     wait
-    for f in tests/test_hybrid_engine.py tests/test_gpu_mla.py tests/test_window_blocks.py; do
+    for f in tests/test_hybrid_engine.py tests/test_gpu_mla.py; do
         timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 "$f" >"$out/$(basename "$f" .py).log" 2>&1
     done
-    timeout 150 python3 apps/bench_kernels.py --only mla --budget 120 2>&1 | tee "$out/mla_kernel.log" | tail -n 16
+    timeout 100 python3 apps/bench_gdn.py 2>&1 | tee "$out/bench_gdn.log" | tail -n 14
+    timeout 120 python3 apps/bench_kernels.py --only mla --budget 100 2>&1 | tee "$out/mla_kernel.log" | tail -n 16
     for f in "$out"/test_*.log; do echo "== $(basename "$f"): $(tail -n 1 "$f")"; done
-    grep -h -E "^(FAILED|ERROR)" "$out"/test_*.log | head -n 20 ;;
+    grep -h -E "^(FAILED|ERROR)" "$out"/test_*.log | head -n 20
+    if [ "$stage" = first ]; then  # and the bench workload, the 8B shape beside the 9B hybrid
+        bench qwen3-8b qwen3-8b "${dummy[@]}"
+        bench qwen3.5-9b qwen3.5-9b
+    fi ;;
 bench)
     bench qwen3-8b qwen3-8b "${dummy[@]}"
     bench qwen3.5-9b qwen3.5-9b
@@ -57,6 +65,7 @@ turns)
             | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
     done ;;
 mla)
+    timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b
     bench moonlight-b1 moonlight-16b-a3b --num-requests 1 --min-input-len 128 --max-input-len 128 \
         --min-output-len 512 --max-output-len 512

@@ -72,6 +72,15 @@ def test_the_launchers_split_count_covers_the_context():
                                    expected, rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize(("block_h", "block_n"), [(32, 16), (64, 64)])
+def test_other_tiles_give_the_same_attention(block_h, block_n):
+    # 40 heads: a head block past the last head, masked; the tiles apps/mla_sweep.py times
+    q, latent, tables, lens, _ = random_case([70, 3, 129], 40, 32, 16, 16, torch.float32, seed=6)
+    expected = latent_decode_reference(q, latent, tables, lens, 0.1, 129, 32)
+    got = paged_mla_decode(q, latent, tables, lens, 0.1, 129, 32, num_splits=3, block_h=block_h, block_n=block_n)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_an_fp8_cache_is_read_as_stored_times_its_scale():
     q, latent, tables, lens, k_scale = random_case([40, 3], 4, 32, 16, 16, torch.float32, seed=6, fp8=True)
     expected = latent_decode_reference(q, latent, tables, lens, 0.1, 40, 32, k_scale)

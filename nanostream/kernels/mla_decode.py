@@ -97,9 +97,11 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + part_row, lse, mask=h_mask)
 
 
-def num_mla_splits(batch_size: int, num_heads: int, max_seq_len: int, device: torch.device) -> int:
+def num_mla_splits(
+    batch_size: int, num_heads: int, max_seq_len: int, device: torch.device, block_h: int = BLOCK_H
+) -> int:
     """Splits per sequence: enough programs to fill the GPU about twice, never a split under 64 tokens."""
-    want = -(-2 * num_sms(device) // (batch_size * -(-num_heads // BLOCK_H)))
+    want = -(-2 * num_sms(device) // (batch_size * -(-num_heads // block_h)))
     return max(1, min(want, -(-max_seq_len // 64), MAX_SPLITS))
 
 
@@ -115,6 +117,9 @@ def paged_mla_decode(
     *,
     num_splits: int | None = None,
     block_n: int = 32,
+    block_h: int = BLOCK_H,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Absorbed latent attention of one query token per sequence over its paged entries (layers/latent_ops.py's
     ``LatentDecodeFn``; ``latent_decode_reference`` is its torch twin).
@@ -137,20 +142,21 @@ def paged_mla_decode(
     out = q.new_empty(batch, num_heads, kv_lora_rank)
     if batch == 0:
         return out
-    splits = num_splits or num_mla_splits(batch, num_heads, max_seq_len, q.device)
+    splits = num_splits or num_mla_splits(batch, num_heads, max_seq_len, q.device, block_h)
     block_c = max(16, triton.next_power_of_2(kv_lora_rank))
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:  # unread; float32 all the same, so that the kernel's signature, and its compiled variant, is one
         part = lse = torch.empty(1, dtype=torch.float32, device=q.device)
-    _mla_decode_kernel[(batch, -(-num_heads // BLOCK_H), splits)](
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    _mla_decode_kernel[(batch, -(-num_heads // block_h), splits)](
         q, latent, block_tables, seq_lens, k_scale if fp8 else q, out, part, lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), latent.stride(0), latent.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), num_heads, splits,
-        C=kv_lora_rank, BLOCK_C=block_c, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=BLOCK_H,
-        BLOCK_N=block_n, PAGE=latent.shape[1], FP8=fp8, IEEE=q.dtype == torch.float32, num_warps=4,
+        C=kv_lora_rank, BLOCK_C=block_c, R=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
+        BLOCK_N=block_n, PAGE=latent.shape[1], FP8=fp8, IEEE=q.dtype == torch.float32, num_warps=num_warps, **stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, num_heads)](  # the decode kernel's merge: [B, H, splits, C] partials alike
