@@ -35,6 +35,7 @@ QWEN3_6_35B_A3B_FP8 = "qwen3.6-35b-a3b-fp8"
 MOONLIGHT_16B_A3B = "moonlight-16b-a3b"
 DEEPSEEK_V2_LITE = "deepseek-v2-lite"
 LLAMA4_SCOUT_FP8 = "llama4-scout-fp8"
+GEMMA4_TEXT = "gemma-4-text"
 
 # make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
 # preset has unless it says otherwise) and each model's departures from it.
@@ -263,6 +264,23 @@ PRESETS[LLAMA4_SCOUT_FP8] = preset(
                      "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
     bos_token_id=200000, eos_token_id=200001,
     quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"],
+)  # fmt: skip
+
+# A Gemma 4 shape: transformers' Gemma4TextConfig defaults (its docstring names google/gemma-4-e2b-it; not checked
+# against a published config.json): 30 layers of 8 query heads, five sliding layers (window 512, head 256, 4 KV
+# heads) to one full (head 512, proportional rope over a quarter of its pairs), per-layer inputs of 256, vocabulary
+# 262,144; with the last 10 layers reading earlier layers' KV through double-wide MLPs, as the E models do. ~5 B
+# parameters (2 B of them the per-layer embedding table), ~10 GB in bf16: one GPU.
+PRESETS[GEMMA4_TEXT] = preset(
+    DUMMY, architecture="Gemma4ForCausalLM", hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=None,
+    attention_k_eq_v=False, vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+    sliding_window=512, layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(30)],
+    num_kv_shared_layers=10, use_double_wide_mlp=True, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
 )  # fmt: skip
 
 

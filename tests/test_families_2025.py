@@ -11,22 +11,22 @@ prefix hits and chunks on both sides of the windows' edges, preemption, the fuse
 interpreter, refusals by name.
 """
 
-import json
-
 import pytest
 import torch
 import transformers
+from helpers import outputs_at_one_and_two_ranks
 from test_families import assert_prefix_hits_and_chunks_match_hf
 from test_hf_parity import assert_matches_hf, greedy, random_prompts
 
 from nanostream import LLM
 from nanostream.errors import ModelLoadError
+from nanostream.layers.cache_spec import SharedKV
 from nanostream.models.config_reader import decoder_spec
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 from nanostream.testing.tiny_families import FAMILY_PRESETS
 
 FAMILIES = list(FAMILY_PRESETS)
-WINDOWED = ["olmo3", "exaone4", "ministral3", "ernie4_5_moe", "llama4"]
+WINDOWED = ["olmo3", "exaone4", "ministral3", "ernie4_5_moe", "llama4", "gemma4"]
 GREEDY = greedy(10)
 
 
@@ -58,7 +58,7 @@ def test_prefix_hits_and_chunks_across_the_window_edge_match_hf(name, family):
     assert_prefix_hits_and_chunks_match_hf(*family(name), seed=41, params=GREEDY)
 
 
-@pytest.mark.parametrize("name", ["exaone4", "ernie4_5_moe", "llama4"])
+@pytest.mark.parametrize("name", ["exaone4", "ernie4_5_moe", "llama4", "gemma4"])
 def test_preemption_matches_hf(name, family):
     path, hf = family(name)
     prompts = random_prompts([60, 27, 43, 50], seed=43)
@@ -69,7 +69,7 @@ def test_preemption_matches_hf(name, family):
     assert_matches_hf(hf, prompts, outputs, params.max_tokens)
 
 
-@pytest.mark.parametrize("name", ["hunyuan", "ministral3", "exaone4", "llama4"])
+@pytest.mark.parametrize("name", ["hunyuan", "ministral3", "exaone4", "llama4", "gemma4"])
 def test_triton_kernels_run_the_families_like_transformers(name, family):
     # Under Triton's interpreter without a GPU: QK-norms after the rotary embedding bypass the fused prologue (the
     # modules norm and rotate, the backend stores), the temperature scales the prologue's queries, a NoPE layer,
@@ -95,6 +95,11 @@ def test_triton_kernels_run_the_families_like_transformers(name, family):
         ("llama4", dict(num_experts_per_tok=2), "num_experts_per_tok"),
         ("llama4", dict(attention_chunk_size=0), "attention_chunk_size"),
         ("lfm2", dict(conv_bias=True), "conv_bias"),
+        (
+            "gemma4",
+            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+            "enable_moe_block",
+        ),
         ("lfm2", dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "layer_types"),
     ],
 )
@@ -147,10 +152,45 @@ def test_on_a_gpu_the_llama4_scout_preset_generates_in_fp8_or_is_refused_with_th
     assert len(out[0].token_ids) == 8
 
 
-@pytest.mark.parametrize("architecture", ["Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"])
-def test_gemma4_is_refused_by_name_with_what_it_lacks(architecture, tmp_path):
-    path = make_tiny_model(tmp_path, **TINY_PRESETS["olmo3"])
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
-    with pytest.raises(ModelLoadError, match=f"{architecture} is not supported: .*per-layer input embeddings"):
-        LLM(str(path), device="cpu")
+@pytest.mark.slow
+def test_two_gemma4_ranks_generate_what_one_does_through_chunks_hits_and_preemption(family):
+    # Each rank holds half of the query heads and of the sliding layers' two KV heads, and the full layers' one KV
+    # head replicated; the per-layer inputs are computed whole on each rank; the shared layers read their source's
+    # pages on each rank. Rank 0 schedules; the workers mirror each step.
+    path, hf = family("gemma4")
+    shared = random_prompts([40], seed=47)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=48)]
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=8, max_num_batched_tokens=24, max_num_seqs=4,
+                   num_kvcache_blocks=14)  # fmt: skip
+    one, two = outputs_at_one_and_two_ranks(path, prompts, GREEDY, **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    assert_matches_hf(hf, prompts, two, GREEDY.max_tokens)
+
+
+def test_gemma4s_shared_layers_cost_no_kv_and_its_full_layers_page_their_own_shape(family):
+    path, _ = family("gemma4")
+    with LLM(str(path), device="cpu", dtype="float32", kvcache_block_size=8) as llm:
+        layout = llm.engine.runner.layout
+        assert layout.specs[4:] == [SharedKV(2), SharedKV(3)]  # the last two layers read layers 2's and 3's
+        assert layout.kv_groups == {(2, 16): [0, 2], (1, 32): [1, 3]}
+        # K and V of 8 tokens, float32: two sliding layers of 2 x 16, two full ones of 1 x 32, nothing for the rest
+        assert layout.kv_block_bytes(8, torch.float32) == 2 * (2 * 2 * 16 + 2 * 1 * 32) * 8 * 4
+
+
+def test_the_gemma4_preset_reads_as_its_config(load_app, tmp_path):
+    path = make_tiny_model(tmp_path, **load_app("presets").PRESETS["gemma-4-text"])  # config.json alone (dummy)
+    spec = decoder_spec(transformers.AutoConfig.from_pretrained(path), max_model_len=32768)
+    full = [i for i in range(30) if i % 6 == 5]
+    assert [spec.kv_shape(i) for i in (0, 5)] == [(4, 256), (4, 512)] and spec.window(0) == 512
+    assert spec.kv_sources == (None,) * 20 + tuple(17 if i in full else 19 for i in range(20, 30))
+    assert spec.layer_intermediate == (9216,) * 20 + (18432,) * 10 and spec.per_layer_input == (262144, 256)
+    assert spec.rope.scaling.rotated_pairs == 64 and spec.sliding_rope.scaling is None
+    assert spec.attention_scale == 1.0 and spec.final_logit_softcap == 30.0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_gemma4_preset_generates_in_bf16(load_app, tmp_path):
+    path = make_tiny_model(tmp_path, **load_app("presets").PRESETS["gemma-4-text"])
+    with LLM(str(path), load_format="dummy", max_model_len=8192, max_num_seqs=8) as llm:
+        out = llm.generate([list(range(5, 1300)), list(range(7, 20))], greedy(8), use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [8, 8]

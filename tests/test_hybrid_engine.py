@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from helpers import outputs_at_one_and_two_ranks
 from test_hf_parity import assert_matches_hf, greedy, random_prompts
 
 from nanostream import LLM, SamplingParams
@@ -168,17 +169,8 @@ def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(nam
     shared = random_prompts([40], seed=47)[0]
     prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=48)]
     options = dict(**ENGINE, max_num_batched_tokens=24, max_num_seqs=4, num_kvcache_blocks=14)
-    params = greedy(20)
-    runs = []
-    for size in (1, 2):
-        with LLM(str(path), tensor_parallel_size=size, **options) as llm:
-            outputs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(
-                prompts[1:], params, use_tqdm=False
-            )
-            stats = llm.engine.stats()
-        runs.append([o.token_ids for o in outputs])
-        assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
-    assert runs[0] == runs[1]
+    one, two = outputs_at_one_and_two_ranks(path, prompts, greedy(20), **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
 
 
 @pytest.mark.slow

@@ -230,13 +230,18 @@ ARCHITECTURES |= {
 UNSUPPORTED_ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its lightning indexer choosing each query's keys) "
     "is not implemented in nanostream",
-    **dict.fromkeys(
-        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-        "Gemma 4's per-layer input embeddings, KV-shared layers and its full layers' own head size and KV heads are "
-        "not implemented in nanostream yet",
-    ),
 }
 """Architectures refused by name, with the reason."""
+# Gemma 4 (text): Gemma's four norms (x * w, in float32), GeGLU, scaled embeddings, sliding and full layers, the
+# full ones with their own head size, KV heads and proportional rope (and V from K where attention_k_eq_v), values
+# normed, a softmax scale of 1, the last num_kv_shared_layers reading earlier layers' KV (double-wide MLPs there),
+# per-layer input embeddings, a scalar per layer, the final logits soft-capped. Its MoE block is not implemented.
+ARCHITECTURES["Gemma4ForCausalLM"] = Architecture(
+    qk_norm=True, attention_bias_key="attention_bias", norms=GEMMA_NORMS, norm_weight_offset=0.0,
+    activation_key="hidden_activation", scale_embeddings=True, final_logit_softcap=True,
+    rope_types=("default", "proportional"), per_layer_shapes=True, kv_sharing=True, value_norm=True,
+    per_layer_inputs=True, layer_scalar=True, unit_attention_scale=True, fixed_values=(("enable_moe_block", False),),
+)  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -269,6 +274,7 @@ TEXT_MODELS = {
         "MistralForCausalLM", _EITHER_LAYOUT, by_model_type=(("ministral3", "Ministral3ForCausalLM"),)
     ),
     "Llama4ForConditionalGeneration": TextModel("Llama4ForCausalLM", _EITHER_LAYOUT),
+    "Gemma4ForConditionalGeneration": TextModel("Gemma4ForCausalLM", _QWEN_VL_LAYOUT),
 }
 """Multimodal checkpoints whose language model nanostream serves on its own: the wrapper's architecture -> its
 language model."""

@@ -25,6 +25,7 @@ from nanostream.models.layer_kinds import attention_output_gate, short_conv_laye
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
 from nanostream.models.quantization import fp8_spec
+from nanostream.models.shared_layers import shared_layer_fields
 from nanostream.models.spec import DecoderSpec
 
 
@@ -39,7 +40,7 @@ def _rope_params(hf_config: Any, with_theta: Any = None) -> dict:
 
 def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
     """The rotary embedding of the (full) layers and, where the family gives its sliding layers their own
-    (Gemma 3's local base), theirs."""
+    (Gemma 3's local base), theirs. Full layers of their own head size (Gemma 4) rotate over it."""
     params = _rope_params(hf_config)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -48,7 +49,7 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
     if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
         params["rope_theta"] = hf_config.rope_theta
 
-    def read(p: dict) -> RopeSpec:
+    def read(p: dict, head_dim: int = head_dim) -> RopeSpec:
         return rope_spec(
             p,
             head_dim=head_dim,
@@ -61,7 +62,9 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
 
     if "full_attention" in params:  # Gemma 3: a rope per layer kind
         sliding = params.get("sliding_attention")
-        return read(dict(params["full_attention"])), read(dict(sliding)) if sliding else None
+        types = getattr(hf_config, "layer_types", None) or ["full_attention"]
+        full_dim = hf_config.per_layer_config[types.index("full_attention")].head_dim if arch.per_layer_shapes else 0
+        return read(dict(params["full_attention"]), full_dim or head_dim), read(dict(sliding)) if sliding else None
     return read(params), None
 
 
@@ -124,6 +127,8 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     if not isinstance(hf_config, ConfigFields):
         hf_config = ConfigFields(hf_config, name)  # a field it lacks: a ModelLoadError naming it
     arch = ARCHITECTURES[name]
+    if arch.per_layer_shapes:  # its global head_dim and num_key_value_heads: the other layers' (shared_layers.py)
+        hf_config._config.allow_global_per_layer_attribute_access = True
     _refuse_unsupported(hf_config, name, arch)
     act = getattr(hf_config, arch.activation_key, None) or "silu"
     if act not in (ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS):
@@ -146,7 +151,8 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     o_bias = attention_bias or bool(arch.o_bias_key and getattr(hf_config, arch.o_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
-    windows = _layer_windows(hf_config, name, arch, max_model_len)
+    # (layers of their own shape keep their windows: which layers are full says which head and rope they have)
+    windows = _layer_windows(hf_config, name, arch, 2**62 if arch.per_layer_shapes else max_model_len)
     moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
     return DecoderSpec(
@@ -184,6 +190,7 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         gated_deltanet=gated_deltanet,
         latent_attention=mla,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
+        **shared_layer_fields(hf_config, name, arch),
         unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
     )
 

@@ -117,6 +117,20 @@ class Architecture:
     tuning): the config's ``attn_temperature_tuning`` (``attn_scale``, ``floor_scale``, offset 1, on the layers
     without rotary embedding), or its rope parameters' ``llama_4_scaling_beta`` (over
     ``original_max_position_embeddings``, offset 0, on every layer)."""
+    per_layer_shapes: bool = False
+    """The config's ``per_layer_config`` gives layers their own head_dim and num_key_value_heads (Gemma 4's full
+    layers, ``global_head_dim``); their rope is read over their own head."""
+    kv_sharing: bool = False
+    """The last ``num_kv_shared_layers`` layers read the KV of the last earlier layer of their type, and with
+    ``use_double_wide_mlp`` their MLP is twice as wide."""
+    value_norm: bool = False
+    """V is RMS-normed without a weight; with ``attention_k_eq_v`` the full layers' V is their k projection."""
+    per_layer_inputs: bool = False
+    """Per-layer input embeddings of ``hidden_size_per_layer_input`` (layers/per_layer_inputs.py)."""
+    layer_scalar: bool = False
+    """Each layer's output times a learned scalar (``layer_scalar``)."""
+    unit_attention_scale: bool = False
+    """The softmax scale is 1 (the QK-norms set the logits' size)."""
     fixed_values: tuple[tuple[str, Any], ...] = ()
     """(config key, the one value nanostream runs, as transformers does whatever the config says): a config without
     the key, or with that value (a list: in every entry), loads; another value is refused, naming it."""

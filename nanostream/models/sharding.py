@@ -60,11 +60,13 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
     problems = []
     if spec.num_heads % size:
         problems.append(f"num_attention_heads ({spec.num_heads}) is not divisible by it")
-    hkv = spec.num_kv_heads
-    if hkv >= size and hkv % size:
-        problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
-    if hkv < size and size % hkv:
-        problems.append(f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated")
+    for hkv in sorted({spec.kv_shape(i)[0] for i in range(spec.num_layers)}):  # (Gemma 4's full layers: their own)
+        if hkv >= size and hkv % size:
+            problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
+        if hkv < size and size % hkv:
+            problems.append(
+                f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated"
+            )
     moe = spec.moe
     dense_layers = spec.num_layers - (len(moe.layers) if moe else 0)
     if dense_layers and spec.intermediate_size % size:
@@ -101,13 +103,17 @@ def check_split(spec: DecoderSpec, size: int) -> None:
         )
 
 
+def kv_split(num_kv_heads: int, rank: int, size: int) -> range:
+    """The KV heads rank ``rank`` holds: its share, or the one it replicates where there are fewer than ranks."""
+    if num_kv_heads >= size:
+        return _split(num_kv_heads, rank, size)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
 def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
     """Rank ``rank``'s part of ``spec`` (``check_split`` first: this assumes the split is exact)."""
-    if spec.num_kv_heads >= size:
-        kv_heads = _split(spec.num_kv_heads, rank, size)
-    else:
-        head = rank * spec.num_kv_heads // size
-        kv_heads = range(head, head + 1)
+    kv_heads = kv_split(spec.num_kv_heads, rank, size)
     return DecoderShard(
         rank=rank,
         size=size,

@@ -94,11 +94,29 @@ class DecoderSpec:
     """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as
     ``("model.language_model.", "model.")``; a tensor under none of them is not loaded. Empty: the names as they are."""
     unused_tensors: tuple[str, ...] = ()
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+    """Each attention layer's (KV heads, head dim) where they differ by layer (Gemma 4's full layers); empty: all
+    ``(num_kv_heads, head_dim)``."""
+    kv_sources: tuple[int | None, ...] = ()
+    """The earlier layer whose KV each layer reads instead of its own (Gemma 4's KV-shared layers); empty: none."""
+    values_from_keys: tuple[bool, ...] = ()  # the layers whose V is their k projection (attention_k_eq_v)
+    value_norm: bool = False  # V is RMS-normed without a weight before it is stored (Gemma 4's v_norm)
+    layer_intermediate: tuple[int, ...] = ()  # each layer's dense MLP size where they differ (Gemma 4's double-wide)
+    per_layer_input: tuple[int, int] | None = None
+    """Gemma 4's per-layer input embeddings: (their vocabulary, their size a layer); None: none."""
+    layer_scalar: bool = False  # each layer's output times a learned scalar (Gemma 4)
     """Prefixes of checkpoint tensors nanostream does not run (multi-token prediction's ``mtp.``, a vision tower):
     not loaded, one log line each."""
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s (KV heads, head dim)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    def kv_source(self, layer: int) -> int | None:
+        return self.kv_sources[layer] if self.kv_sources else None
 
     def chunk(self, layer: int) -> int | None:
         return self.layer_chunks[layer] if self.layer_chunks else None

@@ -41,8 +41,19 @@ FAMILY_CONFIGS: dict[str, dict] = {
         head_dim=16, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
         conv_L_cache=3, intermediate_size=192, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
     ),
+    # Gemma 4: sliding layers (window 24, head 16, two KV heads) and full ones (head 32, one KV head whose V is its K,
+    # a quarter of its pairs turning); the last two layers read layers 2's and 3's KV with double-wide MLPs;
+    # per-layer inputs of 8; the logits capped
+    "Gemma4ForCausalLM": dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=6,
+        layer_types=[_SLIDING, _FULL] * 3, sliding_window=24, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=512, final_logit_softcapping=8.0,
+    ),
 }  # fmt: skip
-FAMILY_CONFIG_CLASSES: dict[str, str] = {"Llama4ForCausalLM": "Llama4TextConfig"}
+FAMILY_CONFIG_CLASSES: dict[str, str] = {
+    "Llama4ForCausalLM": "Llama4TextConfig",
+    "Gemma4ForCausalLM": "Gemma4TextConfig",
+}
 """Architectures whose config class is not ``<prefix>Config`` (the text model's, not the multimodal one)."""
 FAMILY_MULTIMODAL: dict[str, tuple[str, str, dict]] = {
     "Mistral3ForConditionalGeneration": (
@@ -54,6 +65,11 @@ FAMILY_MULTIMODAL: dict[str, tuple[str, str, dict]] = {
         "Llama4ForCausalLM", "Llama4Config",
         dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
              patch_size=16, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+    ),
+    "Gemma4ForConditionalGeneration": (
+        "Gemma4ForCausalLM", "Gemma4Config",
+        dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=16, position_embedding_size=64),
     ),
 }  # fmt: skip
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
@@ -70,5 +86,7 @@ FAMILY_PRESETS: dict[str, dict] = {
     "llama4": dict(architecture="Llama4ForCausalLM", seed=39, tie_word_embeddings=False),
     "llama4_vl": dict(architecture="Llama4ForConditionalGeneration", seed=40, tie_word_embeddings=False),
     "lfm2": dict(architecture="Lfm2ForCausalLM", seed=41),  # tied, as published
+    "gemma4": dict(architecture="Gemma4ForCausalLM", seed=42),  # tied, as published
+    "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43),
 }
 FAMILY_ARCHITECTURES = (*FAMILY_CONFIGS, *FAMILY_MULTIMODAL)

@@ -120,7 +120,7 @@ class ModelRunner:
                 device=self.device,
                 states=self.layout.has_state,
             )
-        if graphs and tp.size == 1 and not self.layout.has_state:  # (a recurrent layer's prompts: host bookkeeping)
+        if graphs and tp.size == 1 and not self.layout.has_state and self.model.model.piecewise:  # (host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
         if cuda:
             self._warm_logits()
