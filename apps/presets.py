@@ -34,6 +34,8 @@ QWEN3_6_35B_A3B = "qwen3.6-35b-a3b"
 QWEN3_6_35B_A3B_FP8 = "qwen3.6-35b-a3b-fp8"
 MOONLIGHT_16B_A3B = "moonlight-16b-a3b"
 DEEPSEEK_V2_LITE = "deepseek-v2-lite"
+LLAMA4_SCOUT_FP8 = "llama4-scout-fp8"
+GEMMA4_TEXT = "gemma-4-text"
 
 # make_tiny_model overrides, one preset a model: a base (what the Qwen3 shapes share, and what every
 # preset has unless it says otherwise) and each model's departures from it.
@@ -244,6 +246,42 @@ PRESETS[QWEN3_8B_FP8] = preset(
 PRESETS[QWEN3_6_35B_A3B_FP8] = preset(
     PRESETS[QWEN3_6_35B_A3B], quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"]
 )
+
+# meta-llama/Llama-4-Scout-17B-16E's text_config: 48 layers of 40 query heads over 8 KV heads of 128, chunks of 8,192
+# tokens in three layers of four (the fourth NoPE, global, with the queries' temperature), every layer MoE: 16 experts
+# of 8,192 (top 1, sigmoid) beside a shared one, vocabulary 202,048. 108 B parameters: in the block-wise FP8 format
+# nanostream loads (its published FP8 release is another format), ~109 GB, one H200 with ~20 GB left for KV (~100k
+# tokens at 192 KiB a token); an H100 refuses it at the KV pool's sizing. max_position_embeddings as published is
+# 10M tokens; 128k here, so the default max_model_len fits a pool.
+PRESETS[LLAMA4_SCOUT_FP8] = preset(
+    DUMMY, architecture="Llama4ForCausalLM", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+    num_key_value_heads=8, head_dim=128, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+    num_experts_per_tok=1, interleave_moe_layer_step=1, vocab_size=202048, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+    use_qk_norm=True, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)],
+    layer_types=[("full_attention" if (i + 1) % 4 == 0 else "chunked_attention") for i in range(48)],
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+    bos_token_id=200000, eos_token_id=200001,
+    quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"],
+)  # fmt: skip
+
+# A Gemma 4 shape: transformers' Gemma4TextConfig defaults (its docstring names google/gemma-4-e2b-it; not checked
+# against a published config.json): 30 layers of 8 query heads, five sliding layers (window 512, head 256, 4 KV
+# heads) to one full (head 512, proportional rope over a quarter of its pairs), per-layer inputs of 256, vocabulary
+# 262,144; with the last 10 layers reading earlier layers' KV through double-wide MLPs, as the E models do. ~5 B
+# parameters (2 B of them the per-layer embedding table), ~10 GB in bf16: one GPU.
+PRESETS[GEMMA4_TEXT] = preset(
+    DUMMY, architecture="Gemma4ForCausalLM", hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=None,
+    attention_k_eq_v=False, vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+    sliding_window=512, layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(30)],
+    num_kv_shared_layers=10, use_double_wide_mlp=True, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                        "rope_theta": 1000000.0}},
+)  # fmt: skip
 
 
 def engine_defaults(preset: str | None) -> dict:

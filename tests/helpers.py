@@ -84,3 +84,19 @@ def serve_http(app) -> tuple[str, object]:
         thread.join(10)
 
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def outputs_at_one_and_two_ranks(path, prompts: list[list[int]], params, **options) -> list[list]:
+    """``prompts`` through an engine of one rank, then one of two (worker processes): the first prompt alone, then
+    the rest (hitting its prefix); each engine must preempt and hit the prefix cache. The two runs' outputs."""
+    from nanostream import LLM
+
+    runs = []
+    for size in (1, 2):
+        with LLM(str(path), tensor_parallel_size=size, **options) as llm:
+            outputs = llm.generate(prompts[:1], params, use_tqdm=False)
+            outputs += llm.generate(prompts[1:], params, use_tqdm=False)
+            stats = llm.engine.stats()
+        assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
+        runs.append(outputs)
+    return runs

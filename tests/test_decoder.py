@@ -39,7 +39,9 @@ ALL = (
     "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, "
     "GraniteForCausalLM, SmolLM3ForCausalLM, Glm4ForCausalLM, GptOssForCausalLM, MixtralForCausalLM, "
     "Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM, "
-    "DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, DeepseekV2ForCausalLM, Mistral4ForCausalLM"
+    "Olmo3ForCausalLM, Exaone4ForCausalLM, ApertusForCausalLM, SeedOssForCausalLM, HunYuanDenseV1ForCausalLM, "
+    "Ernie4_5ForCausalLM, Ernie4_5_MoeForCausalLM, Ministral3ForCausalLM, Llama4ForCausalLM, Lfm2ForCausalLM, "
+    "DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM, DeepseekV2ForCausalLM, Mistral4ForCausalLM, Gemma4ForCausalLM"
 )
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

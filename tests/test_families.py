@@ -56,16 +56,21 @@ def test_mixed_batch_of_1_to_700_tokens_matches_hf(family_dir, hf_model_cache):
     assert_matches_hf(hf_model_cache(family_dir), prompts, llm.generate(prompts, GREEDY, use_tqdm=False), 12)
 
 
-def test_prefix_hits_and_chunks_across_the_window_edge_match_hf(family_dir, hf_model_cache):
-    # Block size 8, chunks of 24 tokens: the cached prefix (56 tokens) and the chunk edges fall inside, at and
-    # past the windows (20 to 40 tokens), so a query's window starts in a cached block or in an earlier chunk.
-    shared = random_prompts([56], seed=21)[0]
-    prompts = [shared + tail for tail in random_prompts([3, 30, 77], seed=22)]
-    llm = LLM(str(family_dir), device="cpu", kvcache_block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
-    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+def assert_prefix_hits_and_chunks_match_hf(path, hf, seed, params=GREEDY):
+    """Block size 8, chunks of 24 tokens: a cached prefix of 56 tokens, then three prompts that hit it; the prefix's
+    end and the chunk edges fall inside, at and past windows of 20 to 40 tokens, so a query's window starts in a
+    cached block or in an earlier chunk."""
+    shared = random_prompts([56], seed=seed)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 30, 77], seed=seed + 1)]
+    llm = LLM(str(path), device="cpu", kvcache_block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
     assert all(o.num_cached_tokens == 56 for o in rest)
-    assert_matches_hf(hf_model_cache(family_dir), prompts, first + rest, 12)
+    assert_matches_hf(hf, prompts, first + rest, params.max_tokens)
+
+
+def test_prefix_hits_and_chunks_across_the_window_edge_match_hf(family_dir, hf_model_cache):
+    assert_prefix_hits_and_chunks_match_hf(family_dir, hf_model_cache(family_dir), seed=21)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])

@@ -1,4 +1,5 @@
-"""Hybrid models (Gated DeltaNet layers beside full attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) through the whole
+"""Hybrid models (Gated DeltaNet layers beside full attention: Qwen3.5, Qwen3.5-MoE, Qwen3-Next; LFM2's gated short
+convolutions beside attention) through the whole
 engine: greedy float32 output token-identical to transformers' generate with prompts of 1 to 700 tokens, chunked
 prefill with chunks that end anywhere, preemption, n > 1, prefix hits at several depths restoring a state snapshot
 (a hit gives a cold run's tokens), and a multi-turn chat whose prefix-cache hits come close to a dense model's."""
@@ -10,6 +11,7 @@ import re
 
 import pytest
 import torch
+from helpers import outputs_at_one_and_two_ranks
 from test_hf_parity import assert_matches_hf, greedy, random_prompts
 
 from nanostream import LLM, SamplingParams
@@ -19,6 +21,7 @@ HYBRIDS = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 ENGINE = dict(device="cpu", dtype="float32", kvcache_block_size=8, state_snapshot_interval=16)
 
@@ -156,25 +159,18 @@ def test_the_batch_invariant_mode_gives_a_requests_tokens_whatever_shares_its_st
 
 
 @pytest.mark.slow
-def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(hybrid_dirs):
-    # Each rank holds half of every DeltaNet layer's key heads (and their value heads) and half of the attention
-    # heads; rank 0 sends each chunk's state slot, start and snapshots with its tokens. (Each layout's split of the
-    # DeltaNet is checked against one rank's logits in test_hybrid_model.py.)
-    path = hybrid_dirs["qwen3_next"]
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(name, hybrid_dirs):
+    # Each rank holds half of every DeltaNet layer's key heads (and their value heads), or half of a short
+    # convolution's channels, and half of the attention heads; rank 0 sends each chunk's state slot, start and
+    # snapshots with its tokens. (Each layout's split of the DeltaNet is checked against one rank's logits in
+    # test_hybrid_model.py.)
+    path = hybrid_dirs[name]
     shared = random_prompts([40], seed=47)[0]
     prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=48)]
     options = dict(**ENGINE, max_num_batched_tokens=24, max_num_seqs=4, num_kvcache_blocks=14)
-    params = greedy(20)
-    runs = []
-    for size in (1, 2):
-        with LLM(str(path), tensor_parallel_size=size, **options) as llm:
-            outputs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(
-                prompts[1:], params, use_tqdm=False
-            )
-            stats = llm.engine.stats()
-        runs.append([o.token_ids for o in outputs])
-        assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
-    assert runs[0] == runs[1]
+    one, two = outputs_at_one_and_two_ranks(path, prompts, greedy(20), **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
 
 
 @pytest.mark.slow
@@ -263,10 +259,11 @@ def test_on_a_gpu_in_bfloat16_the_deltanet_runs_flas_kernels_and_a_hit_continues
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_hybrid_decode_replays_cuda_graphs_with_the_state_slots_as_inputs(hybrid_dirs):
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_on_a_gpu_hybrid_decode_replays_cuda_graphs_with_the_state_slots_as_inputs(name, hybrid_dirs):
     # Decode through the captured graphs (the state slots an input, padding rows touching no state) gives the eager
     # engine's tokens exactly, snapshots taken during decode included: the second turn restores one.
-    path = hybrid_dirs["qwen3_5"]
+    path = hybrid_dirs[name]
     prompts = random_prompts([5, 17, 40, 3, 64, 9], seed=54)
     params = greedy(40)
     options = {**ENGINE, "device": "cuda", "dtype": "bfloat16", "max_num_batched_tokens": 128, "max_num_seqs": 12}

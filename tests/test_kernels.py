@@ -48,10 +48,11 @@ def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, gen):
     return k, v, tables.to(DEVICE)
 
 
-def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, window=None, sinks=None):
+def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, window=None, sinks=None, chunk=None):
     """float64 causal attention of each sequence's last queries over its context; [T, Hq, D].
 
-    ``window``: a query at position p sees only the keys at (p - window, p]. ``sinks`` [Hq]: each query
+    ``window``: a query at position p sees only the keys at (p - window, p]; ``chunk``: only those of its chunk,
+    [p - p % chunk, p]. ``sinks`` [Hq]: each query
     head's logit joins its softmax denominator, out = sum e^s v / (sum e^s + e^sink)."""
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     bs = k_cache.shape[1]
@@ -64,6 +65,8 @@ def reference(q, k_cache, v_cache, tables, cu_q, seq_lens, scale, window=None, s
         mask = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= torch.arange(n, device=q.device)[None, :] > q_pos[:, None] - window
+        if chunk is not None:
+            mask &= torch.arange(n, device=q.device)[None, :] >= (q_pos - q_pos % chunk)[:, None]
         qi = q[s:e].double().transpose(0, 1)  # [Hq, Lq, D]
         if sinks is None:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -86,7 +89,9 @@ def make_sinks(hq, gen):
     return sinks.to(DEVICE)
 
 
-def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=None, window=None, sinks=False):
+def run_decode(
+    seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=None, window=None, sinks=False, chunk=None
+):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     k, v, tables = paged_pool(seq_lens, block_size, hkv, head_dim, dtype, gen)
@@ -94,12 +99,14 @@ def run_decode(seq_lens, heads, head_dim, block_size, dtype, seed, max_seq_len=N
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None)
+    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None, chunk=chunk)
     paged_decode_attention(q, k, v, tables, lens, scale, max_seq_len or max(seq_lens), out=out, **extra)
     return rel_err(out, reference(q, k, v, tables, list(range(len(seq_lens) + 1)), lens, scale, **extra))
 
 
-def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, config=None, window=None, sinks=False):
+def run_prefill(
+    q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, config=None, window=None, sinks=False, chunk=None
+):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     seq_lens = [a + b for a, b in zip(q_lens, prefix_lens)]
@@ -112,7 +119,7 @@ def run_prefill(q_lens, prefix_lens, heads, head_dim, block_size, dtype, seed, c
     cu_t = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None)
+    extra = dict(window=window, sinks=make_sinks(hq, gen) if sinks else None, chunk=chunk)
     paged_prefill_attention(q, k, v, cu_t, lens, tables, max(q_lens), scale, out=out, config=config, **extra)
     return rel_err(out, reference(q, k, v, tables, cu, lens, scale, **extra))
 
@@ -260,6 +267,39 @@ def test_prefill_attention_window_and_sinks(q_lens, prefix_lens, heads, head_dim
     assert err < 1e-5
 
 
+@pytest.mark.parametrize(
+    "seq_lens, block_size, chunk, window",
+    [
+        ([1, 37, 200, 64, 65], 16, 32, None),  # a context at, just past and well past a chunk edge
+        ([1500, 700, 129], 16, 128, None),  # several splits over a long context, the last chunk partial
+        (
+            [70, 5, 300],
+            5,
+            48,
+            20,
+        ),  # a window inside the chunk: the later start wins
+        ([600, 2], 256, 1, None),  # each query sees itself only
+    ],
+)
+def test_decode_attention_chunks(seq_lens, block_size, chunk, window):
+    # Llama 4's chunked local attention: the query sees only its own chunk's keys
+    assert run_decode(seq_lens, (4, 2), 16, block_size, torch.float32, 5, 4096, window, True, chunk) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "q_lens, prefix_lens, block_size, chunk, config",
+    [
+        ([5, 70, 1], [0, 30, 100], 16, 32, None),  # a chunk edge inside a prompt, a prefix and a decode row
+        ([130], [300], 8, 64, (32, 16, 4, 1)),  # query tiles straddling chunk edges, unmasked tiles between
+        ([40, 3], [25, 9], 8, 7, (16, 16, 4, 1)),  # chunks smaller than a tile
+        ([200], [0], 16, 1000, (32, 64, 4, 2)),  # a chunk past the context: causal attention
+    ],
+)
+def test_prefill_attention_chunks(q_lens, prefix_lens, block_size, chunk, config):
+    err = run_prefill(q_lens, prefix_lens, (4, 2), 16, block_size, torch.float32, 6, config, None, False, chunk)
+    assert err < 1e-5
+
+
 def test_store_kv_writes_each_slot_and_skips_padding():
     gen = torch.Generator().manual_seed(2)
     tokens, hkv, d, blocks, bs = 9, 2, 16, 6, 4
@@ -348,6 +388,21 @@ def test_window_and_sinks_gpu(dtype, bound, block_size, window):
         q_lens = torch.randint(1, 1500, (4,), generator=gen).tolist()
         prefixes = [0, 0, 700, 3000]
         assert run_prefill(q_lens, prefixes, (64, 8), 64, block_size, dtype, 5, None, window, sinks) < bound
+
+
+@gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, BF16_BOUND), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("chunk", [128, 8192])
+def test_chunks_gpu(dtype, bound, block_size, chunk):
+    # Llama 4 Scout's attention shape (40 query heads over 8 KV heads, head dim 128), contexts past chunk edges
+    gen = torch.Generator().manual_seed(chunk + block_size)
+    for batch in (1, 64):
+        lens = torch.randint(1, 20000, (batch,), generator=gen).tolist()
+        assert run_decode(lens, (40, 8), 128, block_size, dtype, batch, 32768, None, False, chunk) < bound
+    q_lens = torch.randint(1, 3000, (4,), generator=gen).tolist()
+    prefixes = [0, 0, 700, 9000]
+    assert run_prefill(q_lens, prefixes, (40, 8), 128, block_size, dtype, 7, None, None, False, chunk) < bound
 
 
 @gpu

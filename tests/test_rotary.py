@@ -9,8 +9,17 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, Glm4Config, GptOssConfig, LlamaConfig, Phi3Config, Qwen3Config
+from transformers import (
+    Gemma3TextConfig,
+    Gemma4TextConfig,
+    Glm4Config,
+    GptOssConfig,
+    LlamaConfig,
+    Phi3Config,
+    Qwen3Config,
+)
 from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gemma4 import modeling_gemma4
 from transformers.models.glm4 import modeling_glm4
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama import modeling_llama
@@ -181,6 +190,29 @@ def test_gemma3_local_and_global_rope():
         _assert_same_rotation(spec, 64, modeling_gemma3, rotary, POSITIONS, layer_type=layer_type)
 
 
+@pytest.mark.parametrize(("partial", "factor"), [(0.25, 1.0), (0.5, 2.0), (1.0, 1.0)])
+def test_gemma4_proportional_rope_of_its_full_layers(partial, factor):
+    # The full layers' head (global_head_dim 128 here) in (i, i + 64) pairs, the first partial share of them turning
+    # at the whole head's frequencies (divided by factor), the rest not at all; the sliding layers' default rope
+    params = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": partial, "rope_theta": 1e6,
+                           "factor": factor},
+    }  # fmt: skip
+    config = Gemma4TextConfig(**LLAMA, head_dim=64, global_head_dim=128, rope_parameters=params)
+    rotary = modeling_gemma4.Gemma4TextRotaryEmbedding(config)
+    for layer_type, head_dim in (("sliding_attention", 64), ("full_attention", 128)):
+        spec = rope_spec(config.rope_parameters[layer_type], head_dim=head_dim, max_position_embeddings=MAX_POSITION,
+                         allowed=(*ALL_TYPES, "proportional"), model="Gemma4ForCausalLM")  # fmt: skip
+        ours = RotaryEmbedding(head_dim, MAX_POSITION, spec)
+        x = torch.zeros(1, len(POSITIONS), head_dim)
+        cos, sin = rotary(x, torch.tensor(POSITIONS)[None], layer_type)
+        assert torch.equal(ours.cos[POSITIONS], cos[0, :, : head_dim // 2])
+        assert torch.equal(ours.sin[POSITIONS], sin[0, :, : head_dim // 2])
+    turning = int(partial * 128 // 2)
+    assert torch.equal(ours.cos[:, turning:], torch.ones(MAX_POSITION, 64 - turning))
+
+
 def test_permuted_projection_rows_leave_attention_scores():
     # What the model does with head_order: q and k projections' rows (and biases) permuted per head, once.
     config = Glm4Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=MAX_POSITION)
@@ -214,7 +246,7 @@ def test_partial_rotary_tables_pass_the_other_dims_through():
     assert spec.head_order(64).tolist() == [*range(8), *range(16, 40), *range(8, 16), *range(40, 64)]
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "proportional", "mrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "fope", "mrope"])
 def test_unsupported_rope_types_are_refused_by_name(rope_type):
     params = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ModelLoadError, match=f"rope type '{rope_type}'"):

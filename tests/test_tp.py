@@ -214,8 +214,10 @@ def test_collectives_and_the_control_channel():
 
 
 @pytest.mark.parametrize(
-    ("name", "size"), [("qwen3", 2), ("qwen3", 4), ("gemma3", 2), ("gpt_oss", 2), ("glm4", 2), ("phi3", 2)]
-)
+    ("name", "size"),
+    [("qwen3", 2), ("qwen3", 4), ("gemma3", 2), ("gpt_oss", 2), ("glm4", 2), ("phi3", 2), ("llama4", 2),
+     ("ernie4_5_moe", 2), ("apertus", 2)],
+)  # fmt: skip
 def test_each_rank_loads_its_shard_and_together_they_compute_the_whole_model(name, size, request, tmp_path):
     # Contexts past the windows (Gemma 3's 24, gpt-oss's 16 with its sinks, split by head; Phi-3's fused
     # checkpoint tensors and GLM-4's permuted rotary dims, split by rank).
@@ -362,7 +364,7 @@ def test_workers_pack_every_step_as_rank_0_does_through_preemption_prefix_hits_a
 
 @pytest.fixture(scope="module")
 def preset_dirs(tmp_path_factory):
-    names = ("llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2")
+    names = ("llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "minimax_m2", "llama4")
     return {name: make_tiny_model(tmp_path_factory.mktemp(name), **TINY_PRESETS[name]) for name in names}
 
 
@@ -395,6 +397,7 @@ def reference():
         ("mixtral", 2),
         ("glm4_moe", 2),
         ("minimax_m2", 2),
+        ("llama4", 2),
     ],
 )
 def test_generate_is_token_identical_to_one_rank(model, size, request, preset_dirs, reference):

@@ -29,6 +29,10 @@ def rope_parameters(rope_type: str, rotary_dim: int) -> dict:
     if rope_type == "yarn":
         return {"rope_type": "yarn", "rope_theta": THETA, "factor": 4.0, "original_max_position_embeddings": 256,
                 "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}  # fmt: skip
+    if rope_type == "dynamic":  # HunYuan's fixed NTK alpha: a larger base, the default rope
+        return {"rope_type": "dynamic", "rope_theta": THETA, "factor": 1.0, "alpha": 2.0}
+    if rope_type == "proportional":  # Gemma 4's full layers: a quarter of the head's pairs turning
+        return {"rope_type": "proportional", "rope_theta": THETA, "partial_rotary_factor": 0.25}
     assert rope_type == "longrope", rope_type
     half = rotary_dim // 2
     short, long = [1.0 + i / half for i in range(half)], [2.0 + i for i in range(half)]
@@ -53,7 +57,7 @@ def config_of(name: str, rope_type: str, partial: float | None):
     params = rope_parameters(rope_type, int(head_dim * (partial or 1.0)))
     if partial is not None:
         params["partial_rotary_factor"] = partial
-    if name == "Gemma3ForCausalLM":  # a rope per layer kind
+    if name in ("Gemma3ForCausalLM", "Gemma4ForCausalLM", "Olmo3ForCausalLM"):  # a rope per layer kind
         params = {"full_attention": params, "sliding_attention": rope_parameters("default", head_dim)}
     return tiny_config(name, rope_parameters=params)
 
@@ -62,7 +66,7 @@ def config_of(name: str, rope_type: str, partial: float | None):
 def test_every_family_and_rope_type_crosses_the_control_channel(name, rope_type, partial):
     config = config_of(name, rope_type, partial)
     spec = decoder_spec(config, max_model_len=256)
-    assert spec.rope.rope_type == rope_type
+    assert spec.rope.rope_type == ("default" if rope_type == "dynamic" else rope_type)
     # the config's own default where none is given (Qwen3-Next's and Qwen3.5's: a quarter of each head)
     partial = config.rope_parameters.get("partial_rotary_factor", 1.0) if partial is None else partial
     # (latent attention rotates its own qk_rope_head_dim dims whole, whatever share of the head they are)

@@ -29,7 +29,8 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 def window_arg(window: int | None) -> int:
-    """The kernels' runtime ``window`` for a launcher's: NO_WINDOW for None (callers check it is positive)."""
+    """The kernels' runtime ``window`` (or ``chunk``) for a launcher's: NO_WINDOW for None (callers check it is
+    positive)."""
     assert window is None or (isinstance(window, int) and window >= 1), f"window {window!r}"
     return NO_WINDOW if window is None else min(window, NO_WINDOW)
 
@@ -62,7 +63,7 @@ def softmax_start(sinks_ptr, heads, use, HAS_SINKS: tl.constexpr):
 def fold_kv_tile(
     q, m, denom, acc,
     k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-    n0, kv_end, q_pos, window,
+    n0, kv_end, q_pos, q_lo,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
     IN_PAGE: tl.constexpr,
 ):  # fmt: skip
@@ -77,10 +78,10 @@ def fold_kv_tile(
     whose bytes are all finite (its stores write NaN as 0), so that p = 0 zeroes them (a masked load would
     not vectorize along rows). Otherwise any block size: a page number a row.
     (m, denom, acc): running max (base 2), running sum and unnormalised output, updated and returned.
-    With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or at or
-    before ``q_pos - window`` are left out; without it the caller guarantees the whole tile is visible
-    to every query. A row that has seen no visible key yet keeps max -inf and sum 0. FP8_KV: the pool is
-    float8 e4m3, its tiles widened to q's dtype (float16 or float32: ``queries_for``; its scales are the
+    With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or before its first visible
+    one ``q_lo`` [M] (its window's or its chunk's start) are left out; without it the caller guarantees the whole
+    tile is visible to every query. A row that has seen no visible key yet keeps max -inf and sum 0. FP8_KV: the
+    pool is float8 e4m3, its tiles widened to q's dtype (float16 or float32: ``queries_for``; its scales are the
     caller's: ``qk_scale`` holds k_scale).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -114,7 +115,7 @@ def fold_kv_tile(
     s = s * qk_scale  # [M, BLOCK_N]
     if MASK:
         causal = pos[None, :] <= q_pos[:, None]
-        in_window = pos[None, :] > q_pos[:, None] - window
+        in_window = pos[None, :] >= q_lo[:, None]
         s = tl.where(n_mask[None, :] & causal & in_window, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     # A row whose keys are all masked so far: exp2 against 0 (giving 0 and 0), not -inf - -inf (NaN).

@@ -44,13 +44,13 @@ FP8_TILE = (128, 4, 2)
 
 # The block-table width and the split count change from step to step, the window from layer to layer:
 # none may compile a variant.
-@triton.jit(do_not_specialize=["stride_tb", "num_splits", "window"])
+@triton.jit(do_not_specialize=["stride_tb", "num_splits", "window", "chunk"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb, stride_ob, stride_oh, num_splits, window,
+    stride_tb, stride_ob, stride_oh, num_splits, window, chunk,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
     FP8_KV: tl.constexpr, ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr, PDL: tl.constexpr,
@@ -62,6 +62,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    window = tl.minimum(window, (seq_len - 1) % chunk + 1)  # a chunk: the query sees its chunk's keys alone
     lo = tl.maximum(seq_len - window, 0)  # the window's first position (0 without one)
     base = lo // BLOCK_N * BLOCK_N  # tiles start at multiples of BLOCK_N: the one holding lo is masked
     split_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
@@ -80,6 +81,7 @@ def _decode_kernel(
     table_row = table_ptr + b * stride_tb
     # The query is the context's last token; every key of [lo, seq_len) is inside its window.
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + (seq_len - 1)
+    q_lo = q_pos + 1 - window
 
     # running max (base-2 logits) and sum of exp2; a sink joins split 0's only (the merge adds the splits')
     in_split_0 = tl.full([BLOCK_G], split, tl.int32) == 0  # a vector: the interpreter takes no scalar in a mask
@@ -96,19 +98,19 @@ def _decode_kernel(
         for n0 in range(start, head_end, BLOCK_N):  # at most one tile
             m, denom, acc = fold_kv_tile(
                 q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, q_lo,
                 PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
             )  # fmt: skip
         for n0 in range(head_end, full_end, BLOCK_N):
             m, denom, acc = fold_kv_tile(
                 q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, q_lo,
                 PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
             )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, window,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, end, q_pos, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
 
@@ -164,6 +166,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -175,7 +178,8 @@ def paged_decode_attention(
     q: [B, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (``pool_strides``); block_tables:
     [B, W] int32; seq_lens: [B] int32, each in [1, max_seq_len] and covered by its block table row.
     ``max_seq_len`` only sizes the split over the context (keep it fixed across CUDA-graph replays).
-    ``window``: attend only the last ``window`` tokens (None: all). ``sinks``: [Hq], one softmax-
+    ``window``: attend only the last ``window`` tokens (None: all). ``chunk``: only the tokens of the query's chunk
+    of ``chunk`` positions (chunked local attention: [p - p % chunk, p]; None: all). ``sinks``: [Hq], one softmax-
     denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32, with float8_e4m3fn
     caches and only then (K read as stored * k_scale). ``batch_invariant``: no split (each context in one
     program, whatever the batch) and the prefill kernel's arithmetic (``paged_prefill_attention``'s
@@ -199,7 +203,7 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
-    window = window_arg(window)
+    window, chunk = window_arg(window), window_arg(chunk)
     if sinks is not None:
         assert sinks.shape == (num_heads,) and sinks.is_contiguous() and sinks.is_floating_point(), sinks.shape
     if batch == 0:
@@ -207,7 +211,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_n, warps, stages = tile or (FP8_TILE if fp8 and in_page(page, 128) and not batch_invariant else TILE)
     assert not (tile and batch_invariant), "the batch-invariant mode takes the prefill kernel's tiles"
-    splits = 1 if batch_invariant else num_decode_splits(batch, num_kv_heads, min(max_seq_len, window), q.device)
+    splits = 1 if batch_invariant else num_decode_splits(batch, num_kv_heads, min(max_seq_len, window, chunk), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -219,7 +223,7 @@ def paged_decode_attention(
         k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
         out, part, lse,
         scale * LOG2E,
-        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), splits, window,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), splits, window, chunk,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, PAGE=page, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None, FP8_KV=fp8,
         ALL_MASKED=batch_invariant, IN_PAGE=in_page(page, block_n), num_warps=warps, num_stages=stages,

@@ -3,8 +3,9 @@ place, at each sequence's slot: no gather into a batch and no scatter back (the 
 largest read, 2 MiB a sequence a layer at Qwen3.5-9B's shape), and the slots are a device tensor, so a CUDA graph
 captures the step with them as an input. A slot < 0 is a padding row: nothing is read or written for it.
 
-- ``conv_decode``: the depthwise causal conv1d over the state's K-1 inputs and the token's, SiLU, the state
-  shifted by one; summed in float32, rounded to the weight's dtype (the reference's rounding).
+- ``conv_decode``: the depthwise causal conv1d over the state's K-1 inputs and the token's, SiLU (or none: LFM2's
+  short convolution, layers/short_conv.py), the state shifted by one; summed in float32, rounded to the weight's
+  dtype (the reference's rounding).
 - ``delta_rule_decode``: q and k L2-normalised (q scaled by 1/sqrt(Dk)), then per value head
   S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q  — in float32, as layers/delta_rule.py.
 
@@ -22,9 +23,10 @@ import triton.language as tl
 @triton.jit
 def _conv_decode_kernel(
     x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr,
-    stride_x, stride_o, C, K: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_o, C, K: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    # program (b, channel block): y = silu(sum_j window[j] * w[:, j]), window = [state (K-1 columns), x_b]
+    # program (b, channel block): y = silu(sum_j window[j] * w[:, j]), window = [state (K-1 columns), x_b]; SILU=False:
+    # the sum alone
     b, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     slot = tl.load(slot_ptr + b)
     ch = cb * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +43,9 @@ def _conv_decode_kernel(
             prev = nxt
     tl.store(row + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
     y = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + b * stride_o + ch, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mask)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(out_ptr + b * stride_o + ch, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -77,9 +81,11 @@ def _delta_rule_decode_kernel(
     tl.store(out_ptr + (b * HV + h) * DV + dv, out.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
-def conv_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def conv_decode(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, silu: bool = True
+) -> torch.Tensor:
     """x [B, C] (a token a sequence), weight [C, K], state [S, C, K-1] (the pool, advanced in place at rows
-    ``slots`` [B] int64; < 0: padding) -> silu(conv) [B, C] in x's dtype."""
+    ``slots`` [B] int64; < 0: padding) -> silu(conv) [B, C] in x's dtype (``silu=False``: conv)."""
     batch, channels = x.shape
     kernel = weight.shape[1]
     assert kernel >= 2 and state.shape[1:] == (channels, kernel - 1) and state.is_contiguous(), state.shape
@@ -87,8 +93,15 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slot
     out = torch.empty_like(x)
     block = 256
     grid = (batch, triton.cdiv(channels, block))
-    _conv_decode_kernel[grid](x, weight, state, slots, out, x.stride(0), out.stride(0), channels, kernel, block)
+    _conv_decode_kernel[grid](
+        x, weight, state, slots, out, x.stride(0), out.stride(0), channels, kernel, block, silu,
+    )  # fmt: skip
     return out
+
+
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``conv_decode`` without SiLU: LFM2's short convolution (layers/short_conv.py)."""
+    return conv_decode(x, weight, state, slots, silu=False)
 
 
 def delta_rule_decode(

@@ -6,11 +6,12 @@ is read from the pool through the block table, tile by tile, never gathered into
 A program computes BLOCK_M queries of one head (FlashAttention-2's online softmax). Key tiles entirely
 before the first query need no mask; only the tiles that reach the diagonal are masked.
 
-With a sliding window (a runtime argument: no variant per window) a query at p sees (p - window, p]:
-a program reads from its first query's window start, masks the tiles before its last query's window
-start as well as the diagonal ones, and needs no mask in between. Attention sinks start each row's
-softmax from its head's sink logit. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is
-read as nanostream/kernels/attention_tile.py says.
+With a sliding window (a runtime argument: no variant per window) a query at p sees (p - window, p]: a program reads
+from its first query's window start, masks the tiles before its last query's window start as well as the diagonal
+ones, and needs no mask in between. Chunked local attention (``chunk``, a runtime argument too) is a window that
+starts at the query's chunk, [p - p % chunk, p]: the same tiles. Attention sinks start each row's softmax from its
+head's sink logit. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is read as
+nanostream/kernels/attention_tile.py says.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from nanostream.kernels.fp8_kv import check_kv_scales
 
 
 # The block-table width changes every step, the window from layer to layer: neither compiles a variant.
-@triton.jit(do_not_specialize=["stride_tb", "window"])
+@triton.jit(do_not_specialize=["stride_tb", "window", "chunk"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_tb, stride_ot, stride_oh, window,
+    stride_tb, stride_ot, stride_oh, window, chunk,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
     ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr,
@@ -58,6 +59,7 @@ def _prefill_kernel(
     rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     m_mask = rows < q_len
     q_pos = prefix + rows  # each query's position in the context
+    q_lo = tl.maximum(q_pos + 1 - window, q_pos - q_pos % chunk)  # its first visible key: window's, chunk's start
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
     q = tl.load(
@@ -74,31 +76,33 @@ def _prefill_kernel(
     # Keys before this tile's first query, and inside its last query's window, are visible to all its
     # queries: whole tiles of them need no mask. The tiles from there to the last query's position are
     # masked (causal, and the context end), and so are those from the first query's window start to the
-    # last one's. Without a window both starts are 0.
+    # last one's (a window's or a chunk's start, whichever is later). Without either both starts are 0.
     first_q = prefix + m_tile * BLOCK_M
     kv_end = tl.minimum(first_q + BLOCK_M, seq_len)  # one past the last query's position
     full_end = first_q // BLOCK_N * BLOCK_N
-    kv_start = tl.maximum(first_q + 1 - window, 0) // BLOCK_N * BLOCK_N
-    full_start = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
+    first_lo = tl.maximum(tl.maximum(first_q + 1 - window, first_q - first_q % chunk), 0)
+    last_lo = tl.maximum(tl.maximum(kv_end - window, (kv_end - 1) - (kv_end - 1) % chunk), 0)
+    kv_start = first_lo // BLOCK_N * BLOCK_N
+    full_start = tl.minimum(tl.cdiv(last_lo, BLOCK_N) * BLOCK_N, full_end)
     if ALL_MASKED:  # the batch-invariant mode: every tile through one code path (see paged_prefill_attention)
         full_start = kv_end
         full_end = kv_end
     for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, window,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
 
@@ -131,6 +135,7 @@ def paged_prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     *,
     window: int | None = None,
+    chunk: int | None = None,
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -143,7 +148,8 @@ def paged_prefill_attention(
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] (``pool_strides``); block_tables: [B, W] int32.
     ``max_seqlen_q`` bounds every q_len. Returns [T, Hq, D] in q's dtype (into ``out`` when given).
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
-    ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``sinks``:
+    ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``chunk``: only
+    those of its chunk, [p - p % chunk, p] (chunked local attention; None: all). ``sinks``:
     [Hq], one softmax-denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32,
     with float8_e4m3fn caches and only then (K read as stored * k_scale). ``batch_invariant``: a query's result
     depends on its position and context alone, not on where its chunk starts nor on the longest chunk, and is
@@ -169,7 +175,7 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
-    window = window_arg(window)
+    window, chunk = window_arg(window), window_arg(chunk)
     if sinks is not None:
         assert sinks.shape == (num_heads,) and sinks.is_contiguous() and sinks.is_floating_point(), sinks.shape
     if num_tokens == 0:
@@ -187,7 +193,7 @@ def paged_prefill_attention(
         k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
         out,
         scale * LOG2E,
-        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), window,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), window, chunk,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8, ALL_MASKED=batch_invariant,
         IN_PAGE=in_page(page, block_n), num_warps=num_warps, num_stages=num_stages,

@@ -27,6 +27,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 """A config's activation name -> the gated activation nanostream runs for it (``LayerKernels.gated``)."""
+UNGATED_ACTIVATIONS = ("xielu",)
+"""The activations of an ungated MLP, down(act(up)) (Apertus's learned xIELU, layers/xielu.py)."""
 
 
 class SiluAndMul(nn.Module):

@@ -30,6 +30,7 @@ from nanostream.layers.attention_backend import AttentionBackend, AttentionMetad
 from nanostream.layers.cache_spec import PagedKV, StateCache, StateMetadata
 from nanostream.layers.linear import TensorSlice
 from nanostream.layers.norm import RMSNorm, RMSNormFn, ShardedRMSNorm, rms_norm, sharded_qk_norms
+from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.layers.rotary import RotaryEmbedding
 
 
@@ -125,6 +126,9 @@ class Attention(nn.Module):
     gpt-oss's per-head sink logits. ``kv_scales``: the scales of an FP8 KV cache (1.0 until a checkpoint's
     load), passed to the backend when the pool is FP8. ``output_gate`` (Qwen3-Next, Qwen3.5): each head's q rows
     are [query D | gate D] (qkv [T, (2 Hq + 2 Hkv) D]) and the output is times sigmoid(gate).
+    ``qk_norm_after_rotary``: the per-head QK-norms run on the rotated q and k (then the modules norm and rotate,
+    and the backend stores); ``qk_norm_weightless``: they have no weight. ``temperature``: the queries scaled by
+    position after both. ``chunk``: chunked local attention, a query sees its chunk of that many positions only.
     """
 
     def __init__(
@@ -144,8 +148,13 @@ class Attention(nn.Module):
         window: int | None = None,
         sinks: HeadSinks | None = None,
         output_gate: bool = False,
+        qk_norm_after_rotary: bool = False,
+        temperature: QueryTemperature | None = None,
+        chunk: int | None = None,
+        qk_norm_weightless: bool = False,
     ) -> None:
         super().__init__()
+        self.qk_norm_after_rotary, self.temperature = qk_norm_after_rotary, temperature
         self.layer_idx = layer_idx
         self.output_gate = output_gate
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -155,6 +164,8 @@ class Attention(nn.Module):
         self.sinks = sinks
         # the backend's defaults (full attention, no sinks) unless this layer departs from them
         self._options = {} if window is None else {"window": window}
+        if chunk is not None:
+            self._options["chunk"] = chunk
         self.kv_scales = KVScales(layer_idx)
         self.backend = backend
         self.prologue = backend.prologue  # QK-norm, rotary and the store in one kernel, or None
@@ -169,8 +180,9 @@ class Attention(nn.Module):
             self.k_norm = ShardedRMSNorm(qk_norm_whole.k_rows, qk_norm_eps, norm_kernel, norm_weight_offset)
             self.tp = qk_norm_whole.tp
         elif self.qk_norm:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset)
+            learned = not qk_norm_weightless
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset, learned=learned)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_kernel, norm_weight_offset, learned=learned)
 
     def cache_spec(self) -> PagedKV:
         """What the layer keeps per token: K and V of its (this rank's) KV heads."""
@@ -194,7 +206,7 @@ class Attention(nn.Module):
         if self.qk_norm_whole:
             q, k, v = qkv.split(self.split_sizes, -1)
             qkv = torch.cat((*sharded_qk_norms(q, k, self.q_norm, self.k_norm, self.tp), v), -1)
-        if self.prologue is not None:
+        if self.prologue is not None and not self.qk_norm_after_rotary:
             per_head = self.qk_norm and not self.qk_norm_whole
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 0.0)
             if self.rotary is None:  # an identity table whose rows are one row (stride 0): any position reads it
@@ -206,13 +218,20 @@ class Attention(nn.Module):
                 self.num_heads, self.num_kv_heads, weight_offset=self.q_norm.weight_offset if per_head else None,
                 **scales,
             )  # fmt: skip
+            if self.temperature is not None:
+                q = self.temperature(positions, q)
             return self.backend.attend(q, cache, ctx.attn, self.scale, **options, **scales).flatten(1)
         q, k, v = qkv.split(self.split_sizes, -1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and not self.qk_norm_whole:
+        per_head = self.qk_norm and not self.qk_norm_whole
+        if per_head and not self.qk_norm_after_rotary:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        if per_head and self.qk_norm_after_rotary:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.temperature is not None:
+            q = self.temperature(positions, q)
         return self.backend.forward(q, k, v, cache, ctx.attn, self.scale, **options, **scales).flatten(1)

@@ -107,13 +107,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D].
 
         ``window``: sliding-window attention, transformers' ``sliding_window``: a query at position p sees
         the keys at positions p - window < k <= p (``window`` of them, its own included); None: all up to p.
+        ``chunk``: chunked local attention, transformers' ``attention_chunk_size``: a query at position p sees
+        the keys of its chunk, p - p % chunk <= k <= p; None: no chunks.
         ``sinks``: [Hq] float32, gpt-oss's attention sinks: one logit per query head that joins each
         query's softmax denominator and carries no value, out = sum_k e^s_k v_k / (sum_k e^s_k + e^sink).
         ``k_scale``, ``v_scale``: [1] float32, given with an FP8 pool and only then: K/V are stored as
@@ -124,17 +126,29 @@ class AttentionBackend(ABC):
 
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """``forward`` for new tokens whose K/V are already in ``cache`` (backends with a ``prologue``)."""
+        """``forward`` for new tokens whose K/V are already in ``cache`` (a prologue stored them, or another layer whose
+        pages these are: ``SharedKV``)."""
         raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
 
 
-def check_window(window: int | None) -> None:
-    """Raise ``ValueError`` unless ``window`` is None or a positive number of tokens."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
+def check_window(window: int | None, chunk: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``window`` and ``chunk`` are None or a positive number of tokens."""
+    for name, value in (("window", window), ("chunk", chunk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}")
+
+
+def visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """The keys at ``k_pos`` that the queries at ``q_pos`` see (broadcast): causal, in the window, in the chunk."""
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    if chunk is not None:
+        mask &= k_pos >= q_pos - q_pos % chunk
+    return mask
 
 
 ALIGNED = 32
@@ -156,8 +170,8 @@ class TorchAttention(AttentionBackend):
     def __init__(self, *, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
 
-    def forward(self, q, k, v, cache, meta, scale, *, window=None, sinks=None, k_scale=None, v_scale=None):
-        check_window(window)
+    def forward(self, q, k, v, cache, meta, scale, *, window=None, chunk=None, sinks=None, k_scale=None, v_scale=None):
+        check_window(window, chunk)
         fp8 = check_kv_scales(cache.k.dtype, k_scale, v_scale)
         bs = cache.block_size
         slots = meta.slot_mapping
@@ -167,10 +181,16 @@ class TorchAttention(AttentionBackend):
         else:
             cache.k[slots // bs, slots % bs] = k.to(cache.k.dtype)
             cache.v[slots // bs, slots % bs] = v.to(cache.v.dtype)
+        return self.attend(q, cache, meta, scale, window=window, chunk=chunk, sinks=sinks, k_scale=k_scale,
+                           v_scale=v_scale)  # fmt: skip
+
+    def attend(self, q, cache, meta, scale, *, window=None, chunk=None, sinks=None, k_scale=None, v_scale=None):
+        check_window(window, chunk)
+        bs = cache.block_size
         if self.batch_invariant:
-            return self._aligned(q, cache, meta, scale, window, sinks, k_scale, v_scale)
+            return self._aligned(q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale)
         if meta.is_decode:
-            return self._decode(q, cache, meta, scale, window, sinks, k_scale, v_scale)
+            return self._decode(q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale)
         out = torch.empty_like(q)
         for i, seq_len in enumerate(meta.seq_lens_host):
             start, end = meta.cu_seqlens_q_host[i], meta.cu_seqlens_q_host[i + 1]
@@ -180,16 +200,14 @@ class TorchAttention(AttentionBackend):
             ki = self._gather(cache.k, slots, bs, k_scale, q.dtype).transpose(0, 1)[None]
             vi = self._gather(cache.v, slots, bs, v_scale, q.dtype).transpose(0, 1)[None]
             # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own
-            # (and, with a window, > its own - window).
+            # (and, with a window, > its own - window; with chunks, in its own chunk).
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
             k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
+            mask = visible(k_pos, q_pos, window, chunk)
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out
 
-    def _aligned(self, q, cache, meta, scale, window, sinks, k_scale, v_scale):
+    def _aligned(self, q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale):
         # The batch-invariant mode: a query at position p is attended in the block of ALIGNED positions
         # that holds it, [p0, p0 + ALIGNED) with p0 a multiple of ALIGNED, against the keys [0, p0 + ALIGNED)
         # (zeros past the context, masked), the block's other rows zeros or the neighbours' queries. Every
@@ -212,9 +230,7 @@ class TorchAttention(AttentionBackend):
                 vi = F.pad(values[:p1], (0, 0, 0, 0, 0, max(0, p1 - seq_len)))
                 q_pos = torch.arange(p0, p1, device=q.device)[:, None]
                 k_pos = torch.arange(p1, device=q.device)[None, :]
-                mask = k_pos <= q_pos
-                if window is not None:
-                    mask &= k_pos > q_pos - window
+                mask = visible(k_pos, q_pos, window, chunk)
                 o = self._attention(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None],
                                     mask, scale, sinks)  # fmt: skip
                 out[start + lo - first : start + hi - first] = o[0].transpose(0, 1)[lo - p0 : hi - p0]
@@ -256,17 +272,15 @@ class TorchAttention(AttentionBackend):
         out = p.reshape(n, hkv, hq // hkv * lq, -1) @ v.to(dtype)
         return out.view(n, hq, lq, d).to(q.dtype)
 
-    def _decode(self, q, cache, meta, scale, window, sinks, k_scale, v_scale):
+    def _decode(self, q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale):
         # All sequences at once: gather each block table's blocks, mask positions past seq_len (and,
-        # with a window, those at or before seq_len - 1 - window).
+        # with a window, those at or before seq_len - 1 - window; with chunks, those before the last chunk's).
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]
         k = self._read(cache.k[tables], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb*bs, D]
         v = self._read(cache.v[tables], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
         pos = torch.arange(k.shape[2], device=q.device)[None, :]
-        mask = pos < meta.seq_lens[:, None]  # [B, L]
-        if window is not None:
-            mask &= pos >= meta.seq_lens[:, None] - window
+        mask = visible(pos, meta.seq_lens[:, None] - 1, window, chunk)  # [B, L]: the query is the last token
         out = self._attention(q[:, :, None, :], k, v, mask[:, None, None, :], scale, sinks)  # [B, Hq, 1, D]
         return out[:, :, 0, :]

@@ -3,6 +3,8 @@ the engine's pools that it gets back.
 
 - ``PagedKV``: softmax attention. Each token's K and V in pages of ``block_size`` tokens (the KV pool,
   engine/runner/kv_pool.py); the layer reads them through a sequence's block table (``AttentionMetadata``).
+- ``SharedKV``: an attention layer that reads another layer's pages and writes none (Gemma 4's KV-shared layers): it
+  costs no KV; its view is its source layer's ``KVCache``.
 - ``PagedLatent``: multi-head latent attention (DeepSeek's MLA). One entry a token, the compressed latent and the
   shared rope key ``[kv_lora_rank | qk_rope_head_dim]``, in pages of the same blocks and block table as KV; the
   layer's view is a ``LatentCache`` (layers/latent_attention.py expands or absorbs it).
@@ -32,6 +34,14 @@ class PagedKV:
 
     num_kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """An attention layer's cache that is layer ``source``'s pages (a ``PagedKV`` layer before it): read, not
+    written."""
+
+    source: int
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class RecurrentState:
         return sum(t.nbytes(model_dtype) for t in self.tensors)
 
 
-CacheSpec = PagedKV | PagedLatent | RecurrentState
+CacheSpec = PagedKV | SharedKV | PagedLatent | RecurrentState
 
 
 @dataclass

@@ -86,8 +86,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's depthwise causal conv1d and SiLU, continuing from ``conv_state``.
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, silu: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's depthwise causal conv1d and SiLU (``silu=False``: none, the short convolution's), continuing
+    from ``conv_state``.
 
     x: [L, C] (L >= 1); weight: [C, K] (``conv1d.weight[:, 0]``); conv_state: [C, K-1], the inputs before x (zeros for a
     fresh sequence). Returns (y [L, C] in x's dtype, the new state [C, K-1] in weight's dtype); conv_state is
@@ -99,7 +102,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     # F.conv1d, whose grouped CPU kernel took ~20 ms for a few tokens (500x this) on some inputs
     # (summed in float32 and rounded once, as the convolution's kernels accumulate a bfloat16 one)
     y = (window.float().unfold(0, k, 1) * weight.float()).sum(-1).to(weight.dtype)  # [L, C, K] -> [L, C]
-    return F.silu(y).to(x.dtype), window[window.shape[0] - (k - 1) :].t()
+    return (F.silu(y) if silu else y).to(x.dtype), window[window.shape[0] - (k - 1) :].t()
 
 
 def gated_delta_rule(

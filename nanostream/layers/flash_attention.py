@@ -187,7 +187,8 @@ class FlashAttention(AttentionBackend):
 
     The version is picked on the first call, from its device, dtype, block size and head dim; settings
     it cannot run raise ``ValueError`` with the reason (``flash_attn_unavailable_reason`` tells ahead).
-    Calls with sinks that the version cannot take (FA2, FA4 in float16) run the Triton backend's kernels.
+    Calls with sinks that the version cannot take (FA2, FA4 in float16) and chunked local attention (``chunk``) run
+    the Triton backend's kernels.
     """
 
     name = "flash_attn"
@@ -205,20 +206,20 @@ class FlashAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         if check_kv_scales(cache.k.dtype, k_scale, v_scale):
             raise ValueError(f"attention backend 'flash_attn' cannot run: {FP8_KV_REFUSED}")
         self._store(k, v, cache.k, cache.v, meta.slot_mapping)  # slot -1 (a CUDA-graph padding row): skipped
-        return self.attend(q, cache, meta, scale, window=window, sinks=sinks)
+        return self.attend(q, cache, meta, scale, window=window, chunk=chunk, sinks=sinks)
 
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        check_window(window)
+        check_window(window, chunk)
         if check_kv_scales(cache.k.dtype, k_scale, v_scale):
             raise ValueError(f"attention backend 'flash_attn' cannot run: {FP8_KV_REFUSED}")
         if self._kernel is None:
@@ -226,6 +227,8 @@ class FlashAttention(AttentionBackend):
             if reason is not None:
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()
+        if chunk is not None:  # chunked local attention: FA2 and FA4's paged kernels take no chunk, ours do
+            return self._triton.attend(q, cache, meta, scale, window=window, chunk=chunk, sinks=sinks)
         if sinks is not None and not (self.version == 4 and q.dtype == torch.bfloat16):
             return self._triton.attend(q, cache, meta, scale, window=window, sinks=sinks)
         if meta.is_decode or not meta.num_decodes:

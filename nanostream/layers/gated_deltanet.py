@@ -32,6 +32,7 @@ from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor
 from nanostream.layers.delta_rule import GatedDeltaNetSpec, GatedRMSNorm, causal_conv1d, gated_delta_rule
 from nanostream.layers.delta_rule_fla import DecodeRule, Heads, VarlenRule, varlen_with_snapshots
 from nanostream.layers.linear import Gemm, MergedColumnLinear, TensorSlice, row_parallel_linear
+from nanostream.layers.recurrent_pieces import advance_in_pieces
 
 if TYPE_CHECKING:
     from nanostream.layers.attention import ForwardContext
@@ -203,18 +204,11 @@ class GatedDeltaNet(nn.Module):
         of ``pools`` after its first n tokens for each (n, slot) of ``cuts[b]``; the gated norm's output [T, Hv' Dv]."""
         qkv, z, beta, g = self._gates(projected)
         core = z.new_empty(z.shape)  # [T, Hv', Dv]
-        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
-            done = start
-            for n, slot in [*cuts[i], (end - start, None)]:
-                if not 0 <= n <= end - start:
-                    raise ValueError(f"a snapshot after {n} tokens of a chunk of {end - start}")
-                if start + n > done:  # the tokens up to this cut
-                    piece = slice(done, start + n)
-                    core[piece] = self._advance(qkv[piece], g[piece], beta[piece], conv[i], ssm[i])
-                    done = start + n
-                if slot is not None:
-                    pools[0][slot].copy_(conv[i])
-                    pools[1][slot].copy_(ssm[i])
+
+        def advance(piece: slice, i: int) -> None:
+            core[piece] = self._advance(qkv[piece], g[piece], beta[piece], conv[i], ssm[i])
+
+        advance_in_pieces(bounds, cuts, (conv, ssm), pools, advance)
         return self.norm(core, z).flatten(1)
 
     def _gates(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanostream.layers.linear import Gemm
+from nanostream.layers.linear import Gemm, TensorSlice
 from nanostream.layers.moe_spec import MoESpec
 
 
@@ -40,6 +40,15 @@ class GroupedTopKRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts, dtype=dtype))
         self.top_k, self.groups, self.topk_groups = spec.top_k, spec.groups, spec.topk_groups
         self.sigmoid, self.renormalize, self.scaling = spec.scoring == "sigmoid", spec.renormalize, spec.scaling
+
+    def load_weight(self, param: nn.Parameter, loaded: TensorSlice) -> None:
+        """A checkpoint tensor into ``param``; a correction bias stored as [1, E] (ERNIE 4.5's) taken as [E]."""
+        value = loaded[:]
+        if param is self.e_score_correction_bias and value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"a router tensor of shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(value)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] float32, ids [T, K] int64

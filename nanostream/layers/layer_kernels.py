@@ -43,6 +43,7 @@ from nanostream.layers.moe_reference import moe_experts
 from nanostream.layers.moe_spec import MoEFn
 from nanostream.layers.norm import RMSNormFn, compiled_rms_norm, rms_norm
 from nanostream.layers.rotary import RotaryFn, apply_rotary
+from nanostream.layers.short_conv import ConvDecode
 
 REFERENCE_LATENT = LatentKernels()
 RECOMPILE_LIMIT = 16  # per compiled function, where torch.compile takes one
@@ -61,6 +62,7 @@ class LayerKernels:
     linear: Gemm = F.linear  # the linear layers' and the LM head's GEMM
     delta_rule: VarlenRule | None = None  # Gated DeltaNet's conv and rule, a step at once; None: the reference
     delta_decode: DecodeRule | None = None  # the same for a decode step, in place at the state slots
+    conv_decode: ConvDecode | None = None  # a short convolution's decode step, in place at the state slots
     latent: LatentKernels = REFERENCE_LATENT  # the latent attention layers' store and absorbed decode
 
     @classmethod

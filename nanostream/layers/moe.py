@@ -41,7 +41,8 @@ from nanostream.layers.moe_spec import MoEFn, MoESpec
 
 class Router(nn.Module):
     """Gate linear (+ bias) -> float32 softmax over the experts -> top k (-> renormalised), or (gpt-oss) top k
-    of the logits -> a softmax over them: (weights, expert ids)."""
+    of the logits -> a softmax over them, or (``router == "sigmoid"``, Llama 4) top k of the logits -> each one's
+    sigmoid, taken in float32 and rounded to the logits' dtype: (weights, expert ids)."""
 
     def __init__(self, hidden_size: int, spec: MoESpec, gemm: Gemm = F.linear) -> None:
         super().__init__()
@@ -49,11 +50,14 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(spec.num_experts)) if spec.router_bias else None
         self.top_k, self.renormalize, self.float32_weights = spec.top_k, spec.renormalize, spec.float32_weights
-        self.softmax_after_topk = spec.softmax_after_topk
+        self.softmax_after_topk, self.sigmoid = spec.softmax_after_topk, spec.router == "sigmoid"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] (float32, or x's dtype as transformers' Qwen routers), ids [T, K] int64
         logits = self.gemm(x, self.weight, self.bias)  # [T, E]
+        if self.sigmoid:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(top.float()).to(top.dtype), ids
         if self.softmax_after_topk:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), ids
@@ -120,11 +124,15 @@ class SparseMoE(nn.Module):
             if spec.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # its weight, multiplied by gemm
         self.reduce = tp.all_reduce if tp.size > 1 else _unreduced  # one rank: no collective
+        self.weights_on_input = spec.weights_on_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         weights, ids = self.gate(x)  # [T, K] each
-        y = self.experts(x, weights, ids)
+        if self.weights_on_input:  # top 1: the token scaled going in, its expert's output taken whole
+            y = self.experts((x * weights).to(x.dtype), torch.ones_like(weights), ids)
+        else:
+            y = self.experts(x, weights, ids)
         if self.shared_expert_gate is not None:
             # As transformers: the routed sum + sigmoid(gate) * shared, in the model's dtype.
             y = y + torch.sigmoid(self.gemm(x, self.shared_expert_gate.weight)) * self.shared_expert(x)

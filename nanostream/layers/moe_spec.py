@@ -3,7 +3,8 @@ contract of the routed experts' implementation (``MoEFn``: layers/moe_reference.
 kernels/fused_moe.py's fused Triton kernel).
 
 Its router is one of ``ROUTERS``: ``softmax`` (layers/moe.py's ``Router``: a softmax over the experts, then the
-top k; gpt-oss's top k, then a softmax) or ``grouped_topk`` (layers/grouped_router.py: DeepSeek's scores, a
+top k; gpt-oss's top k, then a softmax), ``sigmoid`` (the same ``Router``: the top k logits, each weight its
+sigmoid, Llama 4's) or ``grouped_topk`` (layers/grouped_router.py: DeepSeek's scores, a
 correction bias that steers the choice alone, group-limited top k, scaled weights).
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU
 
-ROUTERS = ("softmax", "grouped_topk")
+ROUTERS = ("softmax", "grouped_topk", "sigmoid")
 SCORINGS = ("sigmoid", "softmax")
 """How a ``grouped_topk`` router scores each expert from its logit."""
 
@@ -68,6 +69,7 @@ class MoESpec:
     topk_groups: int = 1  # grouped_topk: the top k are taken among the experts of this many best groups
     scaling: float = 1.0  # grouped_topk: the (renormalised) weights times this (routed_scaling_factor)
     float32_router: bool = False  # grouped_topk: its weight and correction bias float32, its GEMM in float32
+    weights_on_input: bool = False  # the routing weight scales the token going into its one expert (top 1)
 
     def __post_init__(self) -> None:
         if self.softmax_after_topk and (self.renormalize or self.float32_weights):
@@ -80,8 +82,10 @@ class MoESpec:
         if self.router not in ROUTERS or self.scoring not in SCORINGS:
             raise ValueError(f"router {self.router!r} with scoring {self.scoring!r}: one of {ROUTERS}, of {SCORINGS}")
         grouped = (self.scoring, self.correction_bias, self.groups, self.topk_groups, self.scaling, self.float32_router)
-        if self.router == "softmax" and grouped != ("softmax", False, 1, 1, 1.0, False):
+        if self.router != "grouped_topk" and grouped != ("softmax", False, 1, 1, 1.0, False):
             raise ValueError("scoring, correction_bias, groups, topk_groups, scaling, float32_router: grouped_topk's")
+        if self.weights_on_input and self.top_k != 1:
+            raise ValueError("weights_on_input scales a token's input to its one expert: top_k must be 1")
         problem = group_problem(self.num_experts, self.top_k, self.groups, self.topk_groups)
         if problem is not None:
             raise ValueError(problem)

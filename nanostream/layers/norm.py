@@ -73,12 +73,19 @@ def compiled_rms_norm(compile: Callable[[Callable], Callable]) -> RMSNormFn:
 
 class RMSNorm(nn.Module):
     """``kernel`` (fixed at construction) computes it: the torch reference unless the model was built with
-    another (``nanostream.layers.layer_kernels.LayerKernels``)."""
+    another (``nanostream.layers.layer_kernels.LayerKernels``). ``learned=False``: no weight to load (ones, a
+    buffer: Llama 4's weightless QK-norm)."""
 
-    def __init__(self, size: int, eps: float, kernel: RMSNormFn = rms_norm, weight_offset: float | None = None) -> None:
+    def __init__(
+        self, size: int, eps: float, kernel: RMSNormFn = rms_norm, weight_offset: float | None = None,
+        *, learned: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.eps, self.weight_offset = eps, weight_offset
-        self.weight = nn.Parameter(torch.ones(size))
+        if learned:
+            self.weight = nn.Parameter(torch.ones(size))
+        else:
+            self.register_buffer("weight", torch.ones(size), persistent=False)
         self.kernel = kernel
 
     def forward(

@@ -14,13 +14,15 @@ from nanostream.layers.rope_scaling import (
     LinearRopeScaling,
     Llama3RopeScaling,
     LongRopeScaling,
+    ProportionalRopeScaling,
     RopeScaling,
     YarnRopeScaling,
 )
 from nanostream.layers.rotary import RopeSpec, dims_problem
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-"""The rope types nanostream runs."""
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
+"""The rope types nanostream runs; "dynamic" only with a fixed ``alpha`` (HunYuan's NTK alpha: a larger base);
+"proportional" (Gemma 4) reads ``partial_rotary_factor`` as the share of the head's pairs that turn."""
 
 
 def rope_spec(
@@ -47,6 +49,12 @@ def rope_spec(
         runs = ", ".join(t for t in allowed if t in ROPE_TYPES)
         raise ModelLoadError(f"rope type {rope_type!r} is not supported for {model}; nanostream runs {runs}")
     theta = float(_need(params, "rope_theta", rope_type, model))
+    if rope_type == "proportional":  # the whole head in (i, i + D/2) pairs, the first share of them turning
+        proportion, factor = float(params.get("partial_rotary_factor", 1.0)), float(params.get("factor", 1.0))
+        pairs = int(proportion * head_dim // 2)  # as transformers rounds it
+        if head_dim % 2 or not 0 <= pairs <= head_dim // 2:
+            raise ModelLoadError(f"{model} with partial_rotary_factor={proportion} over head_dim {head_dim}")
+        return RopeSpec(theta, ProportionalRopeScaling(factor, pairs), None, interleaved)
     partial = params.get("partial_rotary_factor")
     rotary_dim = head_dim if partial is None else int(head_dim * partial)
     if rotary_dim != head_dim and not partial_rotary:
@@ -54,6 +62,14 @@ def rope_spec(
     problem = dims_problem(head_dim, rotary_dim)
     if problem is not None:
         raise ModelLoadError(f"{model} rotates {problem}, which nanostream does not run")
+    if rope_type == "dynamic":  # frequencies that change with the context length, unless a fixed alpha sets them
+        alpha = params.get("alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+            raise ModelLoadError(
+                f"{model} with rope type 'dynamic' and alpha={alpha!r} is not supported; nanostream runs it with a "
+                "fixed positive alpha (NTK alpha scaling)"
+            )
+        theta, rope_type = theta * float(alpha) ** (head_dim / (head_dim - 2)), "default"
     if rope_type == "default":
         return RopeSpec(theta, None, None if rotary_dim == head_dim else rotary_dim, interleaved)
     original = params.get("original_max_position_embeddings", max_position_embeddings)

@@ -1,4 +1,5 @@
-"""The rope types that scale RoPE's frequencies, transformers' (``rope_type``): linear, llama3, yarn, longrope.
+"""The rope types that scale RoPE's frequencies, transformers' (``rope_type``): linear, llama3, yarn, longrope,
+proportional.
 
 Each gives the angles a pair of dims turns by at each position (``RopeScaling.angles``) and the factor of the
 cos/sin tables; ``RopeSpec.tables`` (layers/rotary.py) builds the tables from them, each step the same
@@ -121,6 +122,19 @@ class YarnRopeScaling(_Uniform, frozen=True, tag="yarn"):
         return 1.0 / (self.factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
+class ProportionalRopeScaling(_Uniform, frozen=True, tag="proportional"):
+    """rope_type "proportional" (Gemma 4's full layers): the first ``rotated_pairs`` pairs of the whole head turn at
+    the default frequencies over the head's dims, divided by ``factor``; the other pairs do not turn (frequency 0:
+    cos 1, sin 0). Unlike a partial rotary the pairs stay (i, i + D/2) of the whole head."""
+
+    factor: float
+    rotated_pairs: int
+
+    def inv_freq(self, theta: float, dim: int) -> torch.Tensor:
+        rotated = default_inv_freq(theta, dim)[: self.rotated_pairs]
+        return torch.cat((rotated, torch.zeros(dim // 2 - self.rotated_pairs))) / self.factor
+
+
 class LongRopeScaling(_Scaling, frozen=True, tag="longrope"):
     """rope_type "longrope" (Phi-3): per-pair ``short_factor`` / ``long_factor`` divide the frequencies; cos and
     sin scaled by ``attention_factor``.
@@ -152,5 +166,5 @@ class LongRopeScaling(_Scaling, frozen=True, tag="longrope"):
         return torch.where(p < self.original_max_position_embeddings, p * short[None, :], p * long[None, :])
 
 
-RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling | LongRopeScaling
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling | LongRopeScaling | ProportionalRopeScaling
 """The rope types that scale the frequencies (the default rope type is no scaling: ``RopeSpec.scaling`` None)."""

@@ -53,19 +53,20 @@ class TritonAttention(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         self._store(k, v, cache.k, cache.v, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        return self.attend(q, cache, meta, scale, window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        extra = dict(window=window, chunk=chunk, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        return self.attend(q, cache, meta, scale, **extra)
 
     def attend(
         self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-        *, window: int | None = None, sinks: torch.Tensor | None = None,
+        *, window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        check_window(window)
-        extra = dict(window=window, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+        check_window(window, chunk)
+        extra = dict(window=window, chunk=chunk, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
             return self._decode(
                 q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, meta.max_seqlen_k, **extra,

@@ -13,93 +13,11 @@ models/layer_kinds.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from nanostream.models.declarations import GEMMA_NORMS, GLM_NORMS, OLMO2_NORMS, ROPES, Architecture, GatedDeltaNetLayers
 from nanostream.models.latent_config import LatentAttentionLayers
 from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
-
-LLAMA_NORMS = LayerNorms()
-GEMMA_NORMS = LayerNorms(
-    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
-)
-GLM_NORMS = LayerNorms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
-OLMO2_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
-ROPES = ("default", "linear", "yarn")
-"""The rope types of transformers' generic rotary embedding that a family's configs use."""
-
-
-@dataclass(frozen=True)
-class GatedDeltaNetLayers:
-    """A hybrid family's ``linear_attention`` layers (config.json's ``layer_types``): Gated DeltaNet, sized by the
-    config's ``linear_*`` keys (layers/gated_deltanet.py)."""
-
-    fused_projections: bool = False
-    """Its checkpoints' input projections are ``in_proj_qkvz`` and ``in_proj_ba``, rows grouped per key head
-    (Qwen3-Next); else ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3.5)."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    qk_norm: bool = False
-    """RMSNorm over each head's queries and keys before the rotary embedding."""
-    qk_norm_key: str | None = None
-    """The config key that, when true, turns ``qk_norm`` on (GLM-4.5's ``use_qk_norm``)."""
-    qkv_bias: bool = False
-    """Biases on q, k and v (not o) whatever the config says."""
-    qkv_bias_key: str | None = None
-    """The config key that, when true, puts biases on q, k and v (not o)."""
-    attention_bias_key: str | None = None
-    """The config key that, when true, puts biases on q, k, v and o."""
-    mlp_bias_key: str | None = None
-    """The config key that, when true, puts biases on gate, up and down."""
-    rope_types: tuple[str, ...] = ("default",)
-    """The rotary embeddings (``rope_type``) it may declare."""
-    partial_rotary: bool = False
-    """It honours partial_rotary_factor (Phi-3, GLM-4); elsewhere a factor other than 1 is refused."""
-    interleaved_rotary: bool = False
-    """It rotates pairs of neighbouring dims (GLM-4), not the two halves of a head."""
-    sliding_window_switch: str | None = None
-    """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
-    experts: Experts | None = None
-    """A mixture-of-experts family's MoE layers; None: a dense decoder."""
-    norms: LayerNorms = LLAMA_NORMS
-    """Where its norms sit in a layer, under their checkpoint names."""
-    norm_weight_offset: float | None = None
-    """How its norms round (layers/norm.py): None as Llama's; 0.0 or 1.0 (Gemma's 1 + w) in float32."""
-    qk_norm_whole: bool = False
-    """The QK-norms span the whole q and k projections (OLMo 2), not each head."""
-    activation_key: str = "hidden_act"
-    """The config key naming the MLP's activation."""
-    scale_embeddings: bool = False
-    """The embeddings times sqrt(hidden_size) (Gemma)."""
-    multipliers: bool = False
-    """Granite's embedding_multiplier, residual_multiplier, attention_multiplier and logits_scaling."""
-    query_pre_attn_scalar: bool = False
-    """The softmax scale is query_pre_attn_scalar ** -0.5 (Gemma), not head_dim ** -0.5."""
-    final_logit_softcap: bool = False
-    """The config's final_logit_softcapping caps the logits (Gemma)."""
-    attention_sinks: bool = False
-    """A learned sink logit per head in every softmax (gpt-oss)."""
-    no_rope_layers: bool = False
-    """The config's no_rope_layers (0: no rotary embedding in that layer) (SmolLM3)."""
-    attn_output_gate: bool = False
-    """q_proj gives each head's query and an output gate, [query D | gate D]; the attention output is times
-    sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)."""
-    gated_deltanet: GatedDeltaNetLayers | None = None
-    """Its ``linear_attention`` layers; None: every layer attends."""
-    latent_attention: LatentAttentionLayers | None = None
-    """Every layer attends through multi-head latent attention; None: softmax attention of its own K and V."""
-    unused_tensors: tuple[str, ...] = ()
-    """Prefixes of checkpoint tensors of parts nanostream does not run (multi-token prediction's ``mtp.``, a vision
-    tower): not loaded, one log line each."""
-    mtp_layers_key: str | None = None
-    """The config key counting the multi-token-prediction layers a checkpoint appends to the decoder's, as
-    ``model.layers.{num_hidden_layers + i}``: not loaded, one log line."""
-    fixed_values: tuple[tuple[str, Any], ...] = ()
-    """(config key, the one value nanostream runs, as transformers does whatever the config says): a config without
-    the key, or with that value (a list: in every entry), loads; another value is refused, naming it."""
-
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(
@@ -222,6 +140,65 @@ ARCHITECTURES |= {
         ),
     ),
 }  # fmt: skip
+# The dense families of 2025: OLMo 3 (OLMo 2 with sliding and full layers, a rope per kind), EXAONE 4 (norms after
+# each block only, per-head QK-norms, full layers without rotary embedding beside sliding ones), Apertus (an ungated
+# xIELU MLP, QK-norms, Llama 3 rope), Seed-OSS (q/k/v biases, o's own key), HunYuan dense (QK-norms after the rotary
+# embedding, NTK alpha), ERNIE 4.5 (interleaved rotary, one bias key for every linear; its MoE: DeepSeek's router
+# scoring by a softmax, a correction bias, a float32 gate, shared experts, the MoE layers a range of them), and
+# Ministral 3 (Mistral with attention temperature over its yarn rope's original context).
+_ERNIE = dict(attention_bias_key="use_bias", mlp_bias_key="use_bias", interleaved_rotary=True)
+ARCHITECTURES |= {
+    "Olmo3ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_whole=True, attention_bias_key="attention_bias", norms=OLMO2_NORMS,
+        norm_weight_offset=0.0, rope_types=(*ROPES, "llama3"),
+    ),
+    "Exaone4ForCausalLM": Architecture(
+        qk_norm=True, norms=LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+        nope_full_attention=True, rope_types=(*ROPES, "llama3"),
+    ),
+    "ApertusForCausalLM": Architecture(
+        qk_norm=True, attention_bias_key="attention_bias", gated_mlp=False, rope_types=(*ROPES, "llama3"),
+        norms=LayerNorms("attention_layernorm", None, "feedforward_layernorm", None),
+    ),
+    "SeedOssForCausalLM": Architecture(
+        qkv_bias_key="attention_bias", o_bias_key="attention_out_bias", mlp_bias_key="mlp_bias", rope_types=ROPES
+    ),
+    "HunYuanDenseV1ForCausalLM": Architecture(
+        qk_norm=True, qk_norm_after_rotary=True, attention_bias_key="attention_bias", rope_types=("default", "dynamic")
+    ),
+    "Ernie4_5ForCausalLM": Architecture(**_ERNIE),
+    "Ernie4_5_MoeForCausalLM": Architecture(
+        **_ERNIE, unused_tensors=("model.mtp_",), fixed_values=(("moe_norm_min", 1e-12),),
+        experts=Experts(
+            renormalize=True, router="grouped_topk", scoring="softmax", float32_router=True,
+            shared_experts_key="moe_num_shared_experts",
+            layer_range_keys=("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
+        ),
+    ),
+    "Ministral3ForCausalLM": Architecture(rope_types=ROPES, query_temperature=True),
+}  # fmt: skip
+# Llama 4 (Scout, Maverick): chunked local attention in the layers with rotary embedding (interleaved pairs), a NoPE
+# layer every fourth with the queries' temperature, weightless QK-norms after the rotary embedding, and on the MoE
+# layers the config lists a top-1 router whose sigmoid weight scales the token going in, beside one shared expert.
+ARCHITECTURES |= {
+    "Llama4ForCausalLM": Architecture(
+        attention_bias_key="attention_bias", interleaved_rotary=True, rope_types=("default", "llama3"),
+        no_rope_layers=True, chunked_attention=True, query_temperature=True,
+        qk_norm_key="use_qk_norm", weightless_qk_norm=True, qk_norm_after_rotary=True,
+        dense_intermediate_key="intermediate_size_mlp", fixed_values=(("num_experts_per_tok", 1),),
+        experts=Experts(
+            num_experts_key="num_local_experts", intermediate_key="intermediate_size", router="sigmoid",
+            layers_key="moe_layers", weights_on_input=True, shared_expert_size_key="intermediate_size",
+            transposed=True,
+        ),
+    ),
+}  # fmt: skip
+# LFM2: gated short convolutions (a conv state per sequence) beside attention with per-head QK-norms; its MLP's size
+# adjusted from the config's.
+ARCHITECTURES["Lfm2ForCausalLM"] = Architecture(
+    qk_norm=True, short_conv=True, norm_eps_key="norm_eps", auto_adjust_ff_dim=True, rope_types=ROPES,
+    norms=LayerNorms("operator_norm", None, "ffn_norm", None), fixed_values=(("conv_bias", False),),
+)  # fmt: skip
 # Multi-head latent attention (DeepSeek's MLA) in every layer, DeepSeek's router: DeepSeek-V3 (R1, V3.1, Kimi K2,
 # Moonlight) with its groups, correction bias, dense first layers and multi-token-prediction layers; GLM-4.7-Flash
 # picking its dense layers by name; DeepSeek-V2 (V2-Lite: no q LoRA) scoring by softmax, greedy, unnormalised (its
@@ -255,6 +232,16 @@ UNSUPPORTED_ARCHITECTURES = {
     "is not implemented in nanostream",
 }
 """Architectures refused by name, with the reason."""
+# Gemma 4 (text): Gemma's four norms (x * w, in float32), GeGLU, scaled embeddings, sliding and full layers, the
+# full ones with their own head size, KV heads and proportional rope (and V from K where attention_k_eq_v), values
+# normed, a softmax scale of 1, the last num_kv_shared_layers reading earlier layers' KV (double-wide MLPs there),
+# per-layer input embeddings, a scalar per layer, the final logits soft-capped. Its MoE block is not implemented.
+ARCHITECTURES["Gemma4ForCausalLM"] = Architecture(
+    qk_norm=True, attention_bias_key="attention_bias", norms=GEMMA_NORMS, norm_weight_offset=0.0,
+    activation_key="hidden_activation", scale_embeddings=True, final_logit_softcap=True,
+    rope_types=("default", "proportional"), per_layer_shapes=True, kv_sharing=True, value_norm=True,
+    per_layer_inputs=True, layer_scalar=True, unit_attention_scale=True, fixed_values=(("enable_moe_block", False),),
+)  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -267,13 +254,27 @@ class TextModel:
     prefixes: tuple[tuple[str, str], ...]
     """Where its tensors sit: (the checkpoint's prefix, the language model's); the vision tower and the projector,
     under none of them, are not loaded."""
+    by_model_type: tuple[tuple[str, str], ...] = ()
+    """Where the wrapper's language model varies: (its text_config's ``model_type``, the architecture it runs)."""
+
+    def language_model(self, text_config: object) -> str:
+        """The architecture of the language model that ``text_config`` describes."""
+        return dict(self.by_model_type).get(getattr(text_config, "model_type", None), self.architecture)
 
 
 _QWEN_VL_LAYOUT = (("model.language_model.", "model."), ("lm_head.", "lm_head."))
+_EITHER_LAYOUT = (*_QWEN_VL_LAYOUT, ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+"""transformers 5's layout of a multimodal checkpoint's language model, or the one its 4.x versions wrote."""
 TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": TextModel("Gemma3ForCausalLM", (("language_model.", ""),)),
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
+    # Mistral Small 3.1 (a Mistral language model) and Ministral 3
+    "Mistral3ForConditionalGeneration": TextModel(
+        "MistralForCausalLM", _EITHER_LAYOUT, by_model_type=(("ministral3", "Ministral3ForCausalLM"),)
+    ),
+    "Llama4ForConditionalGeneration": TextModel("Llama4ForCausalLM", _EITHER_LAYOUT),
+    "Gemma4ForConditionalGeneration": TextModel("Gemma4ForCausalLM", _QWEN_VL_LAYOUT),
 }
 """Multimodal checkpoints whose language model nanostream serves on its own: the wrapper's architecture -> its
 language model."""

@@ -14,16 +14,18 @@ import math
 from typing import Any
 
 from nanostream.errors import ModelLoadError
-from nanostream.layers.activation import ACTIVATIONS
+from nanostream.layers.activation import ACTIVATIONS, UNGATED_ACTIVATIONS
 from nanostream.layers.moe_spec import MoESpec
 from nanostream.layers.rope_config import rope_spec
 from nanostream.layers.rotary import RopeSpec
 from nanostream.models.architectures import ARCHITECTURES, TEXT_MODELS, Architecture
+from nanostream.models.attention_config import attention_fields
 from nanostream.models.latent_config import latent_attention
-from nanostream.models.layer_kinds import attention_output_gate, token_mixers
+from nanostream.models.layer_kinds import attention_output_gate, short_conv_layers, token_mixers
 from nanostream.models.model_config import ConfigFields, supported_architecture, text_config
 from nanostream.models.moe_config import count, moe_spec, positive_int
 from nanostream.models.quantization import fp8_spec
+from nanostream.models.shared_layers import shared_layer_fields
 from nanostream.models.spec import DecoderSpec
 
 
@@ -38,7 +40,7 @@ def _rope_params(hf_config: Any, with_theta: Any = None) -> dict:
 
 def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, RopeSpec | None]:
     """The rotary embedding of the (full) layers and, where the family gives its sliding layers their own
-    (Gemma 3's local base), theirs."""
+    (Gemma 3's local base), theirs. Full layers of their own head size (Gemma 4) rotate over it."""
     params = _rope_params(hf_config)
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -47,7 +49,7 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
     if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
         params["rope_theta"] = hf_config.rope_theta
 
-    def read(p: dict) -> RopeSpec:
+    def read(p: dict, head_dim: int = head_dim) -> RopeSpec:
         return rope_spec(
             p,
             head_dim=head_dim,
@@ -60,7 +62,9 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
 
     if "full_attention" in params:  # Gemma 3: a rope per layer kind
         sliding = params.get("sliding_attention")
-        return read(dict(params["full_attention"])), read(dict(sliding)) if sliding else None
+        types = getattr(hf_config, "layer_types", None) or ["full_attention"]
+        full_dim = hf_config.per_layer_config[types.index("full_attention")].head_dim if arch.per_layer_shapes else 0
+        return read(dict(params["full_attention"]), full_dim or head_dim), read(dict(sliding)) if sliding else None
     return read(params), None
 
 
@@ -123,15 +127,17 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
     if not isinstance(hf_config, ConfigFields):
         hf_config = ConfigFields(hf_config, name)  # a field it lacks: a ModelLoadError naming it
     arch = ARCHITECTURES[name]
+    if arch.per_layer_shapes:  # its global head_dim and num_key_value_heads: the other layers' (shared_layers.py)
+        hf_config._config.allow_global_per_layer_attribute_access = True
     _refuse_unsupported(hf_config, name, arch)
     act = getattr(hf_config, arch.activation_key, None) or "silu"
-    if act not in ACTIVATIONS:
+    if act not in (ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS):
         raise ModelLoadError(
             f"{name} with {arch.activation_key}={act!r} is not supported; nanostream's MLP runs "
-            f"{', '.join(ACTIVATIONS)}"
+            f"{', '.join(ACTIVATIONS if arch.gated_mlp else UNGATED_ACTIVATIONS)}"
         )
     num_heads = hf_config.num_attention_heads
-    mla = mixers = gated_deltanet = None
+    mla = mixers = gated_deltanet = short_conv = None
     if arch.latent_attention is not None:  # every layer: its rope dims are the head_dim the rotary tables know
         mla, rope = latent_attention(hf_config, name, arch, _rope_params(hf_config, hf_config))
         sliding_rope, head_dim, mixers = None, mla.qk_rope_head_dim, ("latent_attention",) * hf_config.num_hidden_layers
@@ -139,10 +145,14 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         rope, sliding_rope = _ropes(hf_config, name, arch)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         mixers, gated_deltanet = token_mixers(hf_config, name, arch)
+        conv_mixers, short_conv = short_conv_layers(hf_config, name, arch)
+        mixers = mixers or conv_mixers
     attention_bias = bool(arch.attention_bias_key and getattr(hf_config, arch.attention_bias_key, False))
+    o_bias = attention_bias or bool(arch.o_bias_key and getattr(hf_config, arch.o_bias_key, False))
     qkv_bias = arch.qkv_bias or bool(arch.qkv_bias_key and getattr(hf_config, arch.qkv_bias_key, False))
     mlp_bias = bool(arch.mlp_bias_key and getattr(hf_config, arch.mlp_bias_key, False))
-    windows = _layer_windows(hf_config, name, arch, max_model_len)
+    # (layers of their own shape keep their windows: which layers are full says which head and rope they have)
+    windows = _layer_windows(hf_config, name, arch, 2**62 if arch.per_layer_shapes else max_model_len)
     moe = moe_spec(hf_config, name, arch.experts) if arch.experts else None
     qk_norm = arch.qk_norm or bool(arch.qk_norm_key and getattr(hf_config, arch.qk_norm_key, False))
     return DecoderSpec(
@@ -150,16 +160,16 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         quantization=fp8_spec(getattr(hf_config, "quantization_config", None), name),
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=_dense_intermediate_size(hf_config, moe),
+        intermediate_size=_dense_intermediate_size(hf_config, moe, arch),
         num_layers=hf_config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps,
+        rms_norm_eps=getattr(hf_config, arch.norm_eps_key),
         rope=rope,
         max_position=hf_config.max_position_embeddings,
         qkv_bias=qkv_bias or attention_bias,
-        o_bias=attention_bias,
+        o_bias=o_bias,
         qk_norm=qk_norm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         mlp_bias=mlp_bias,
@@ -167,17 +177,20 @@ def decoder_spec(hf_config: Any, *, max_model_len: int) -> DecoderSpec:
         norms=arch.norms,
         norm_weight_offset=arch.norm_weight_offset,
         qk_norm_whole=arch.qk_norm_whole,
-        activation=ACTIVATIONS[act],
+        activation=ACTIVATIONS[act] if arch.gated_mlp else act,
+        mlp_gated=arch.gated_mlp,
         scale_embeddings=arch.scale_embeddings,
         **_multipliers(hf_config, name, arch),
         attention_sinks=arch.attention_sinks,
         layer_windows=windows,
         sliding_rope=sliding_rope if windows else None,
-        rope_layers=_rope_layers(hf_config, name, arch),
+        **attention_fields(hf_config, name, arch, max_model_len),
         token_mixers=mixers,
+        short_conv=short_conv,
         gated_deltanet=gated_deltanet,
         latent_attention=mla,
         attn_output_gate=attention_output_gate(hf_config, name, arch),
+        **shared_layer_fields(hf_config, name, arch),
         unused_tensors=arch.unused_tensors + _mtp_layers(hf_config, name, arch),
     )
 
@@ -190,11 +203,20 @@ def _mtp_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[str, ...
     return tuple(f"model.layers.{first + i}." for i in range(count(hf_config, arch.mtp_layers_key, name)))
 
 
-def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None) -> int:
-    """The dense MLP's intermediate size; 0 where every layer is MoE and the config has none (Qwen3.5-MoE's)."""
+def _dense_intermediate_size(hf_config: Any, moe: MoESpec | None, arch: Architecture) -> int:
+    """The dense MLP's intermediate size (config key ``arch.dense_intermediate_key``, LFM2's adjusted); 0 where
+    every layer is MoE and the config has none (Qwen3.5-MoE's)."""
+    key = arch.dense_intermediate_key
     if moe is not None and len(moe.layers) == hf_config.num_hidden_layers:
-        return getattr(hf_config, "intermediate_size", 0)
-    return hf_config.intermediate_size
+        return getattr(hf_config, key, 0)
+    size = getattr(hf_config, key)
+    if arch.auto_adjust_ff_dim and getattr(hf_config, "block_auto_adjust_ff_dim", False):
+        size = int(2 * size / 3)  # as transformers' LFM2 rounds it
+        multiplier = getattr(hf_config, "block_ffn_dim_multiplier", None)
+        if multiplier is not None:
+            multiple = positive_int(hf_config, "block_multiple_of", hf_config.architectures[0])
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return size
 
 
 def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, float | None]:
@@ -217,14 +239,3 @@ def _multipliers(hf_config: Any, name: str, arch: Architecture) -> dict[str, flo
     if arch.final_logit_softcap and getattr(hf_config, "final_logit_softcapping", None) is not None:
         out["final_logit_softcap"] = positive("final_logit_softcapping")
     return out
-
-
-def _rope_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[bool, ...]:
-    if not arch.no_rope_layers:
-        return ()
-    flags = getattr(hf_config, "no_rope_layers", None)
-    if flags is None:
-        return ()
-    if len(flags) != hf_config.num_hidden_layers or any(f not in (0, 1) for f in flags):
-        raise ModelLoadError(f"{name} with no_rope_layers={flags!r}: nanostream needs a 0 or 1 per layer")
-    return tuple(bool(f) for f in flags)

@@ -28,6 +28,7 @@ from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.fp8_linear import FP8
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.norm import RMSNorm
+from nanostream.layers.per_layer_inputs import PerLayerEmbedding
 from nanostream.layers.rotary import RotaryEmbedding, permute_heads
 from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
 from nanostream.models.decoder_layer import DecoderLayer
@@ -43,8 +44,10 @@ class DecoderModel(nn.Module):
         # Gemma: sqrt(hidden_size) in the model's dtype, as it rounds it; None elsewhere
         scale = torch.tensor(spec.hidden_size**0.5) if spec.scale_embeddings else None
         self.register_buffer("embed_scale", scale, persistent=False)
-        # One table per rotary kind (the attention layers hold theirs, as does this module).
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position, spec.rope, kernel=kernels.rotary)
+        # One table per rotary kind (the attention layers hold theirs, as does this module); the full layers' head
+        # may be of its own size (Gemma 4), the sliding layers' is head_dim.
+        full_dim = next((spec.kv_shape(i)[1] for i in range(spec.num_layers) if spec.window(i) is None), spec.head_dim)
+        self.rotary = RotaryEmbedding(full_dim, spec.max_position, spec.rope, kernel=kernels.rotary)
         self.sliding_rotary = None
         if spec.sliding_rope is not None:
             self.sliding_rotary = RotaryEmbedding(
@@ -56,6 +59,15 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, spec.norm_weight_offset)
         for layer, after in zip(self.layers, self.layers[1:]):
             layer.feeds(after)
+        self.per_layer_embedding = None
+        if spec.per_layer_input is not None:  # Gemma 4's per-layer inputs (one rank: models/sharding.py)
+            vocab, size = spec.per_layer_input
+            self.per_layer_embedding = PerLayerEmbedding(
+                vocab, size, spec.num_layers, spec.hidden_size, spec.rms_norm_eps, kernels.rms_norm, kernels.linear
+            )
+        # the forward cuts into head / attend / between (the prefill CUDA graphs) where a layer's output is (x,
+        # residual) alone; not where it needs the per-layer inputs or scales its sum
+        self.piecewise = spec.per_layer_input is None and not spec.layer_scalar
 
     def _layer_rotary(self, spec: DecoderSpec, i: int) -> RotaryEmbedding | None:
         if spec.rope_layers and not spec.rope_layers[i]:
@@ -70,9 +82,14 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        return self.norm(x, residual)[0]
+        if self.per_layer_embedding is None:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, ctx)
+        else:
+            inputs = self.per_layer_embedding(input_ids, x)  # [T, L, P]
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(positions, x, residual, ctx, inputs[:, i])
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -117,8 +134,21 @@ class DecoderForCausalLM(nn.Module):
         "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
+        # Gemma 4's per-layer inputs: the model's, each layer's
+        **{
+            name: (f"per_layer_embedding.{name}", None)
+            for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+        },
+        **{
+            name: (f"per_layer.{name}", None)
+            for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+        },
         "q_norm": ("attn.q_norm", None),
         "k_norm": ("attn.k_norm", None),
+        "query_layernorm": ("attn.q_norm", None),  # HunYuan's names of its QK-norms, LFM2's
+        "key_layernorm": ("attn.k_norm", None),
+        "q_layernorm": ("attn.q_norm", None),
+        "k_layernorm": ("attn.k_norm", None),
         "sinks": ("attn.sinks.weight", None),
         # a latent attention layer's down-projections of x, both in its qkv_proj (layers/latent_attention.py)
         "q_a_proj": ("qkv_proj", "q_a"),
@@ -133,13 +163,23 @@ class DecoderForCausalLM(nn.Module):
         "in_proj_qkvz": ("in_proj", "qkvz"),
         "in_proj_ba": ("in_proj", "ba"),
     }
-    # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts
-    checkpoint_aliases = {"block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert"}
-    # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block
+    # Mixtral's published name of its MoE block, gpt-oss's of its router, DeepSeek's of its shared experts, Llama 4's
+    # of its MLP
+    checkpoint_aliases = {
+        "block_sparse_moe": "mlp", "router": "gate", "shared_experts": "shared_expert", "feed_forward": "mlp"
+    }  # fmt: skip
+    # A tensor's name ending, renamed: MiniMax-M2 keeps its router's correction bias on the MoE block, ERNIE 4.5 in
+    # the MoE block's moe_statics
     checkpoint_suffixes = {
-        f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
-        for block in ("block_sparse_moe", "mlp")
-    }
+        **{f"{block}.e_score_correction_bias": f"{block}.gate.e_score_correction_bias"
+           for block in ("block_sparse_moe", "mlp")},
+        "mlp.moe_statics.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+        # LFM2's names: its attention's output projection, its MLP's w1/w3/w2, its final norm
+        "self_attn.out_proj.weight": "self_attn.o_proj.weight",
+        **{f"feed_forward.{w}.weight": f"feed_forward.{n}.weight"
+           for w, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+        "embedding_norm.weight": "norm.weight",
+    }  # fmt: skip
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).
     checkpoint_expert_tensors = {

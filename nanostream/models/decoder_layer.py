@@ -15,9 +15,11 @@ column-parallel, o_proj and down_proj row-parallel; a Gated DeltaNet layer by ke
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import TensorParallel
@@ -25,13 +27,17 @@ from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks, WholeProjectionNorms
 from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.gated_deltanet import GatedDeltaNet
+from nanostream.layers.kv_variants import NormedValueAttention, SharedKVAttention
 from nanostream.layers.latent_attention import LatentAttention
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
 from nanostream.layers.moe import SparseMoE
 from nanostream.layers.norm import RMSNorm
+from nanostream.layers.per_layer_inputs import PerLayerInput
 from nanostream.layers.rotary import RotaryEmbedding
-from nanostream.models.sharding import DecoderShard
+from nanostream.layers.short_conv import ShortConv
+from nanostream.layers.xielu import XIELU
+from nanostream.models.sharding import DecoderShard, kv_split
 from nanostream.models.spec import DecoderSpec
 
 if TYPE_CHECKING:
@@ -56,19 +62,28 @@ class SelfAttention(nn.Module):
         tp: TensorParallel,
     ) -> None:
         super().__init__()
-        d, q_d = spec.head_dim, 2 * spec.head_dim if spec.attn_output_gate else spec.head_dim
-        q_rows, kv_rows = _head_rows(shard.heads, q_d), _head_rows(shard.kv_heads, d)
-        q_total, kv_total = spec.num_heads * q_d, spec.num_kv_heads * d
-        parts = {"q": (q_rows, q_total), "k": (kv_rows, kv_total), "v": (kv_rows, kv_total)}
+        hkv, d = spec.kv_shape(layer_idx)  # a layer may have its own (Gemma 4's full layers)
+        kv_heads = kv_split(hkv, shard.rank, shard.size)
+        q_d = 2 * d if spec.attn_output_gate else d
+        q_rows, kv_rows = _head_rows(shard.heads, q_d), _head_rows(kv_heads, d)
+        q_total, kv_total = spec.num_heads * q_d, hkv * d
+        source, from_keys = spec.kv_source(layer_idx), bool(spec.values_from_keys and spec.values_from_keys[layer_idx])
+        names = ("q",) if source is not None else ("q", "k") if from_keys else ("q", "k", "v")
+        parts = {name: (q_rows, q_total) if name == "q" else (kv_rows, kv_total) for name in names}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.qkv_bias, kernels.linear)
-        self.attn = Attention(
+        attention, variant = Attention, {}
+        if source is not None:
+            attention, variant = SharedKVAttention, {"source": source}
+        elif spec.value_norm:
+            attention, variant = NormedValueAttention, {"values_from_keys": from_keys}
+        self.attn = attention(
             layer_idx,
             shard.num_heads,
-            shard.num_kv_heads,
-            spec.head_dim,
+            len(kv_heads),
+            d,
             rotary,
             kernels.attention,
-            qk_norm_eps=spec.rms_norm_eps if spec.qk_norm else None,
+            qk_norm_eps=spec.rms_norm_eps if spec.has_qk_norm(layer_idx) else None,
             norm_kernel=kernels.rms_norm,
             norm_weight_offset=spec.norm_weight_offset,
             qk_norm_whole=WholeProjectionNorms(_head_rows(shard.heads, d), kv_rows, tp) if spec.qk_norm_whole else None,
@@ -76,14 +91,26 @@ class SelfAttention(nn.Module):
             window=spec.window(layer_idx),
             sinks=HeadSinks(shard.heads) if spec.attention_sinks else None,
             output_gate=spec.attn_output_gate,
+            qk_norm_after_rotary=spec.qk_norm_after_rotary,
+            temperature=spec.temperature(layer_idx),
+            chunk=spec.chunk(layer_idx),
+            qk_norm_weightless=spec.qk_norm_weightless,
+            **variant,
         )
         self.o_proj = row_parallel_linear(_head_rows(shard.heads, d), spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
-        super().__init__()
-        rows, total = shard.intermediate, spec.intermediate_size
+    def __init__(
+        self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel, size: int | None = None
+    ) -> None:
+        super().__init__()  # ``size``: this layer's own intermediate size, else the spec's
+        total = spec.intermediate_size if size is None else size
+        rows = (
+            shard.intermediate
+            if size is None
+            else range(shard.rank * size // shard.size, (shard.rank + 1) * size // shard.size)
+        )
         parts = {"gate": (rows, total), "up": (rows, total)}
         self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
         self.act = SiluAndMul(kernels.gated(spec.activation), spec.activation)
@@ -91,6 +118,22 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.activated(x, self.act))
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))), no gate_proj; the activation a module of its own (xIELU's learned scalars: ``act_fn``)."""
+
+    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
+        super().__init__()
+        rows = shard.intermediate
+        # the checkpoint's up_proj, under the name of the gated MLP's fused projection (its only part "up")
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"up": (rows, spec.intermediate_size)}, spec.mlp_bias,
+                                          kernels.linear)  # fmt: skip
+        self.act_fn = XIELU()
+        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -118,6 +161,10 @@ class DecoderLayer(nn.Module):
             )  # fmt: skip
             self.linear_attn = gdn
             pieces = (gdn.in_proj, gdn.mix, gdn.out_proj, gdn)
+        elif self.kind == "short_conv":
+            conv = ShortConv(spec.short_conv, layer_idx, shard.conv_channels, tp, kernels.linear, kernels.conv_decode)
+            self.conv = conv
+            pieces = (conv.in_proj, conv.mix, conv.out_proj, conv)
         elif self.kind == "latent_attention":
             mla = LatentAttention(
                 spec.latent_attention, spec.hidden_size, spec.num_heads, shard.heads, spec.rms_norm_eps, layer_idx,
@@ -143,6 +190,13 @@ class DecoderLayer(nn.Module):
                 self.add_module(name, norm)
             object.__setattr__(self, f"_{place}", norm)  # not a second registration of the module
         self.residual_multiplier = spec.residual_multiplier
+        self.per_layer = self.layer_scalar = None  # Gemma 4: its per-layer input, its output's scalar
+        if spec.per_layer_input is not None:
+            act = functools.partial(F.gelu, approximate="tanh") if spec.activation == "gelu_tanh" else F.silu
+            self.per_layer = PerLayerInput(spec.hidden_size, spec.per_layer_input[1], spec.rms_norm_eps, act,
+                                           kernels.rms_norm, kernels.linear)  # fmt: skip
+        if spec.layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1))
         # Llama's plan (the norms before each block only, a dense MLP): o_proj may end in mlp_in's norm and
         # down_proj in the next layer's attn_in (Linear.into_norm), a batch-1 step's FP8 GEMVs do
         self._plain = (
@@ -164,10 +218,17 @@ class DecoderLayer(nn.Module):
         return self._cache_owner.cache_spec()
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         projected, residual = self.attn_in(x, residual)
-        return self.attn_out(self.mixer(positions, projected, ctx), residual)
+        x, residual = self.attn_out(self.mixer(positions, projected, ctx), residual)
+        if self.per_layer is None and self.layer_scalar is None:
+            return x, residual
+        out = x + residual  # Gemma 4: the output itself, its per-layer input added, times its scalar
+        if self.per_layer is not None:
+            out = self.per_layer(out, per_layer_input)
+        return (out if self.layer_scalar is None else out * self.layer_scalar), None
 
     def attn_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer input ``x + residual`` (``x`` alone for the first layer) -> (its mixer's input projection, itself).
@@ -218,7 +279,9 @@ def _mlp(
 ) -> nn.Module:
     """Layer ``layer_idx``'s MLP: the MoE block in the layers ``spec.moe`` names, else the dense one."""
     if spec.moe is None or layer_idx not in spec.moe.layers:
-        return MLP(spec, kernels, shard, tp)
+        if spec.layer_intermediate and spec.layer_intermediate[layer_idx] != spec.intermediate_size:
+            return MLP(spec, kernels, shard, tp, spec.layer_intermediate[layer_idx])
+        return MLP(spec, kernels, shard, tp) if spec.mlp_gated else UngatedMLP(spec, kernels, shard, tp)
     act = SiluAndMul(kernels.silu_and_mul)
     return SparseMoE(
         spec.hidden_size,

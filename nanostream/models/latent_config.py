@@ -18,7 +18,7 @@ from nanostream.layers.rotary import RopeSpec
 from nanostream.models.moe_config import positive_int
 
 if TYPE_CHECKING:
-    from nanostream.models.architectures import Architecture
+    from nanostream.models.declarations import Architecture
 
 
 @dataclass(frozen=True)

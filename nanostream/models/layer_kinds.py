@@ -12,10 +12,26 @@ from typing import Any
 
 from nanostream.errors import ModelLoadError
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
-from nanostream.models.architectures import Architecture
+from nanostream.layers.short_conv import ShortConvSpec
+from nanostream.models.declarations import Architecture
 
 MIXER_OF_LAYER_TYPE = {"full_attention": "attention", "linear_attention": "gated_deltanet"}
 """config.json's ``layer_types`` of a hybrid family -> the token mixer (``spec.TOKEN_MIXERS``)."""
+
+
+def short_conv_layers(hf_config: Any, name: str, arch: Architecture) -> tuple[tuple[str, ...], ShortConvSpec | None]:
+    """Each layer's token mixer and the short convolution layers' shape (``layer_types``' ``conv`` layers); ((),
+    None) for a family without them, or a config whose layers all attend."""
+    if not arch.short_conv:
+        return (), None
+    kinds = {"full_attention": "attention", "conv": "short_conv"}
+    types = hf_config.layer_types
+    if len(types) != hf_config.num_hidden_layers or any(t not in kinds for t in types):
+        raise ModelLoadError(f"{name} with layer_types {types!r}: nanostream runs {' and '.join(kinds)}, one a layer")
+    mixers = tuple(kinds[t] for t in types)
+    if "short_conv" not in mixers:
+        return (), None
+    return mixers, ShortConvSpec(hf_config.hidden_size, _size(hf_config, "conv_L_cache", name))
 
 
 def token_mixers(hf_config: Any, name: str, arch: Architecture) -> tuple[tuple[str, ...], GatedDeltaNetSpec | None]:

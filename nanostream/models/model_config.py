@@ -96,7 +96,7 @@ def text_config(hf_config: Any) -> Any:
     if getattr(hf_config, "text_config", None) is None:
         raise MissingConfigField(f"{wrapper}'s config.json has no text_config, the language model's settings")
     text = copy.deepcopy(hf_config.text_config)
-    text.architectures = [TEXT_MODELS[wrapper].architecture]
+    text.architectures = [TEXT_MODELS[wrapper].language_model(text)]
     if getattr(hf_config, "tie_word_embeddings", None) is not None:  # transformers ties by the wrapper's config
         text.tie_word_embeddings = hf_config.tie_word_embeddings
     quant = getattr(hf_config, "quantization_config", None)

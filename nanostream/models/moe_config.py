@@ -37,9 +37,10 @@ class Experts:
     SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stacked [E, H, 2I] checkpoint tensors with gate and up
     interleaved."""
     router: str = "softmax"
-    """The router's kind (layers/moe_spec.py's ``ROUTERS``). ``grouped_topk``, DeepSeek's (layers/grouped_router.py):
-    the config's ``scoring_func`` (sigmoid when it has none) and ``topk_method`` (``noaux_tc`` when it has none: a
-    correction bias steers the choice; ``greedy``: none, no groups)."""
+    """The router's kind (layers/moe_spec.py's ``ROUTERS``; ``sigmoid``: the top-k logits, each weight its sigmoid).
+    ``grouped_topk``, DeepSeek's (layers/grouped_router.py): the config's ``scoring_func`` (sigmoid when it has
+    none) and ``topk_method`` (``noaux_tc`` when it has none: a correction bias steers the choice; ``greedy``: none,
+    no groups)."""
     groups: bool = False
     """The config's ``n_group`` and ``topk_group`` limit the choice to the best groups of experts (grouped_topk)."""
     scaling_key: str | None = None
@@ -60,6 +61,18 @@ class Experts:
     correction_bias: bool = True
     """grouped_topk: its ``noaux_tc`` choice adds ``e_score_correction_bias``; False: the family has none (Mistral 4:
     groups on the plain scores)."""
+    layer_range_keys: tuple[str, str, str] | None = None
+    """The config keys of the first MoE layer, the last one (-1: the last layer) and the step between them
+    (``moe_layer_start_index``, ``moe_layer_end_index``, ``moe_layer_interval``); None: ``sparse_layers`` decides."""
+    layers_key: str | None = None
+    """The config key listing the MoE layers (``moe_layers``); None: ``sparse_layers`` decides."""
+    weights_on_input: bool = False
+    """A token's routing weight scales its input to its one expert, not the expert's output (top-1 routing)."""
+    shared_expert_size_key: str | None = None
+    """The config key of the intermediate size of one ungated shared expert beside the routed ones (Llama 4's
+    ``intermediate_size``, the routed experts' own)."""
+    transposed: bool = False
+    """The checkpoint's stacked experts are [E, H, 2I] and [E, I, H], inputs first (gate and up halves)."""
 
 
 TOPK_METHODS = ("noaux_tc", "greedy")
@@ -107,9 +120,15 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
             raise ModelLoadError(f"{arch_name} with shared_expert_intermediate_size={shared!r} is not supported")
     if experts.shared_experts_key is not None:  # DeepSeek's: n experts of the routed ones' size, one ungated MLP
         shared, gated = count(hf_config, experts.shared_experts_key, arch_name) * intermediate, False
+    if experts.shared_expert_size_key is not None:  # one ungated shared expert of its own size
+        shared, gated = positive_int(hf_config, experts.shared_expert_size_key, arch_name), False
     renormalize = experts.renormalize
     if renormalize is None:
         renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
+    fields = dict(
+        router=experts.router, transposed_experts=experts.transposed, weights_on_input=experts.weights_on_input
+    )
+    fields |= _gpt_oss(hf_config, experts) | _grouped_router(hf_config, arch_name, experts, num_experts, top_k)
     return MoESpec(
         num_experts=num_experts,
         top_k=top_k,
@@ -119,14 +138,26 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
         layers=layers,
         shared_expert_intermediate_size=shared,
         shared_expert_gate=gated,
-        **_gpt_oss(hf_config, experts),
-        **_grouped_router(hf_config, arch_name, experts, num_experts, top_k),
+        **fields,
     )
 
 
 def _moe_layers(hf_config: Any, arch_name: str, experts: Experts) -> tuple[int, ...]:
     num_layers = hf_config.num_hidden_layers
     layers = tuple(range(num_layers))
+    if experts.layers_key is not None:  # the config lists them
+        listed = getattr(hf_config, experts.layers_key, None)
+        if not isinstance(listed, list | tuple) or not all(isinstance(i, int) and 0 <= i < num_layers for i in listed):
+            raise ModelLoadError(f"{arch_name} with {experts.layers_key}={listed!r}: nanostream needs layer indices")
+        return tuple(sorted(set(listed)))
+    if experts.layer_range_keys is not None:  # from a first to a last layer, every n-th
+        start_key, end_key, step_key = experts.layer_range_keys
+        start, step = count(hf_config, start_key, arch_name), positive_int(hf_config, step_key, arch_name, default=1)
+        end = getattr(hf_config, end_key, -1)
+        end = num_layers - 1 if end is None or end == -1 else end
+        if isinstance(end, bool) or not isinstance(end, int) or end < 0:
+            raise ModelLoadError(f"{arch_name} with {end_key}={end!r}: nanostream needs a layer index or -1")
+        return tuple(i for i in layers if start <= i <= end and (i + 1) % step == 0)
     if experts.sparse_layers:
         step = positive_int(hf_config, "decoder_sparse_step", arch_name, default=1)
         only = getattr(hf_config, "mlp_only_layers", None) or []

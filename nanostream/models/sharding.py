@@ -15,6 +15,8 @@ bias too).
 
 A Gated DeltaNet layer splits by key heads: rank ``r`` holds key heads ``[r * Hk/n, (r+1) * Hk/n)``, the value
 heads that read them, their conv channels and states, and their columns of out_proj (row parallel, one all-reduce).
+A short convolution layer splits by channels: rank ``r`` holds ``[r * H/n, (r+1) * H/n)`` of each gate, of the conv
+and its state, and those columns of out_proj.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class DecoderShard:
     expert_intermediate: range = range(0)  # of every expert (MoE layers)
     shared_intermediate: range = range(0)  # of Qwen2-MoE's shared expert
     linear_k_heads: range = range(0)  # the Gated DeltaNet layers' key heads (and the value heads that read them)
+    conv_channels: range = range(0)  # the short convolution layers' channels (of the hidden size)
 
     @property
     def num_heads(self) -> int:
@@ -57,11 +60,13 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
     problems = []
     if spec.num_heads % size:
         problems.append(f"num_attention_heads ({spec.num_heads}) is not divisible by it")
-    hkv = spec.num_kv_heads
-    if hkv >= size and hkv % size:
-        problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
-    if hkv < size and size % hkv:
-        problems.append(f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated")
+    for hkv in sorted({spec.kv_shape(i)[0] for i in range(spec.num_layers)}):  # (Gemma 4's full layers: their own)
+        if hkv >= size and hkv % size:
+            problems.append(f"num_key_value_heads ({hkv}) is not divisible by it")
+        if hkv < size and size % hkv:
+            problems.append(
+                f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated"
+            )
     moe = spec.moe
     dense_layers = spec.num_layers - (len(moe.layers) if moe else 0)
     if dense_layers and spec.intermediate_size % size:
@@ -80,6 +85,10 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
             f"linear_num_key_heads ({gdn.num_k_heads}) is not divisible by it (a Gated DeltaNet layer splits by key "
             "heads)"
         )
+    if spec.short_conv is not None and spec.hidden_size % size:
+        problems.append(
+            f"hidden_size ({spec.hidden_size}) is not divisible by it (a short convolution splits by channels)"
+        )
     return problems
 
 
@@ -94,13 +103,17 @@ def check_split(spec: DecoderSpec, size: int) -> None:
         )
 
 
+def kv_split(num_kv_heads: int, rank: int, size: int) -> range:
+    """The KV heads rank ``rank`` holds: its share, or the one it replicates where there are fewer than ranks."""
+    if num_kv_heads >= size:
+        return _split(num_kv_heads, rank, size)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
 def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
     """Rank ``rank``'s part of ``spec`` (``check_split`` first: this assumes the split is exact)."""
-    if spec.num_kv_heads >= size:
-        kv_heads = _split(spec.num_kv_heads, rank, size)
-    else:
-        head = rank * spec.num_kv_heads // size
-        kv_heads = range(head, head + 1)
+    kv_heads = kv_split(spec.num_kv_heads, rank, size)
     return DecoderShard(
         rank=rank,
         size=size,
@@ -111,4 +124,5 @@ def shard_decoder(spec: DecoderSpec, rank: int, size: int) -> DecoderShard:
         expert_intermediate=_split(spec.moe.intermediate_size, rank, size) if spec.moe else range(0),
         shared_intermediate=_split(spec.moe.shared_expert_intermediate_size, rank, size) if spec.moe else range(0),
         linear_k_heads=_split(spec.gated_deltanet.num_k_heads, rank, size) if spec.gated_deltanet else range(0),
+        conv_channels=_split(spec.hidden_size, rank, size) if spec.short_conv else range(0),
     )

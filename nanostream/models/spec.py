@@ -3,8 +3,9 @@
 over tensor-parallel ranks (models/sharding.py) and the engine read them.
 
 Each layer mixes tokens with one of ``TOKEN_MIXERS``: softmax attention (layers/attention.py), Gated DeltaNet
-(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5) or multi-head latent attention
-(layers/latent_attention.py: DeepSeek's MLA), each declaring its cache.
+(layers/gated_deltanet.py, the ``linear_attention`` layers of Qwen3-Next and Qwen3.5), multi-head latent attention
+(layers/latent_attention.py: DeepSeek's MLA) or a gated short convolution (layers/short_conv.py, LFM2's ``conv``
+layers), each declaring its cache.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from dataclasses import dataclass
 from nanostream.layers.delta_rule import GatedDeltaNetSpec
 from nanostream.layers.latent_attention import LatentAttentionSpec
 from nanostream.layers.moe_spec import MoESpec
+from nanostream.layers.query_temperature import QueryTemperature
 from nanostream.layers.rotary import RopeSpec
+from nanostream.layers.short_conv import ShortConvSpec
 from nanostream.models.quantization import Fp8Spec
 
-TOKEN_MIXERS = ("attention", "gated_deltanet", "latent_attention")
+TOKEN_MIXERS = ("attention", "gated_deltanet", "latent_attention", "short_conv")
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,21 @@ class DecoderSpec:
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention); empty: every layer full."""
     sliding_rope: RopeSpec | None = None  # Gemma 3: the sliding layers' own rotary embedding
-    rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate; empty: all
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3, EXAONE 4, Llama 4: which layers rotate; empty: all
+    qk_norm_after_rotary: bool = False  # the QK-norms on the rotated q and k (HunYuan; Llama 4's weightless L2 norm)
+    mlp_gated: bool = True  # down(act(gate) * up); else down(act(up)) with no gate_proj (Apertus's xIELU MLP)
+    query_temperature: QueryTemperature | None = None  # the queries scaled by position (layers/query_temperature.py)
+    temperature_layers: tuple[bool, ...] = ()  # the layers ``query_temperature`` scales; empty: all
+    layer_chunks: tuple[int | None, ...] = ()
+    """Each layer's attention chunk (chunked local attention: a query sees its chunk only; None: none); empty: none."""
+    qk_norm_layers: tuple[bool, ...] = ()  # the layers with QK-norms (where ``qk_norm``); empty: all
+    qk_norm_weightless: bool = False  # the QK-norms have no weight (Llama 4's L2 norm)
     quantization: Fp8Spec | None = None
     """How the checkpoint's FP8 weights are stored (config.json's quantization_config); None: unquantized."""
     token_mixers: tuple[str, ...] = ()
     """Each layer's token mixer, one of ``TOKEN_MIXERS``; empty: attention in every layer."""
     gated_deltanet: GatedDeltaNetSpec | None = None  # the Gated DeltaNet layers' shape
+    short_conv: ShortConvSpec | None = None  # the short convolution layers' shape (LFM2's ``conv`` layers)
     latent_attention: LatentAttentionSpec | None = None
     """The latent attention layers' shape (then ``head_dim`` is their rotated dims, qk_rope_head_dim)."""
     attn_output_gate: bool = False  # q_proj gives each head [query D | gate D]; the output times sigmoid(gate)
@@ -82,18 +94,54 @@ class DecoderSpec:
     """Where a multimodal checkpoint keeps this decoder's tensors: (the checkpoint's prefix, this model's), as
     ``("model.language_model.", "model.")``; a tensor under none of them is not loaded. Empty: the names as they are."""
     unused_tensors: tuple[str, ...] = ()
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+    """Each attention layer's (KV heads, head dim) where they differ by layer (Gemma 4's full layers); empty: all
+    ``(num_kv_heads, head_dim)``."""
+    kv_sources: tuple[int | None, ...] = ()
+    """The earlier layer whose KV each layer reads instead of its own (Gemma 4's KV-shared layers); empty: none."""
+    values_from_keys: tuple[bool, ...] = ()  # the layers whose V is their k projection (attention_k_eq_v)
+    value_norm: bool = False  # V is RMS-normed without a weight before it is stored (Gemma 4's v_norm)
+    layer_intermediate: tuple[int, ...] = ()  # each layer's dense MLP size where they differ (Gemma 4's double-wide)
+    per_layer_input: tuple[int, int] | None = None
+    """Gemma 4's per-layer input embeddings: (their vocabulary, their size a layer); None: none."""
+    layer_scalar: bool = False  # each layer's output times a learned scalar (Gemma 4)
     """Prefixes of checkpoint tensors nanostream does not run (multi-token prediction's ``mtp.``, a vision tower):
     not loaded, one log line each."""
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s (KV heads, head dim)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads, self.head_dim)
+
+    def kv_source(self, layer: int) -> int | None:
+        return self.kv_sources[layer] if self.kv_sources else None
+
+    def chunk(self, layer: int) -> int | None:
+        return self.layer_chunks[layer] if self.layer_chunks else None
+
+    def has_qk_norm(self, layer: int) -> bool:
+        return self.qk_norm and (not self.qk_norm_layers or self.qk_norm_layers[layer])
+
+    def temperature(self, layer: int) -> QueryTemperature | None:
+        """Layer ``layer``'s query temperature (layers/query_temperature.py), or None."""
+        if self.temperature_layers and not self.temperature_layers[layer]:
+            return None
+        return self.query_temperature
+
     @property
     def kv_window(self) -> int | None:
-        """The longest sliding window when every layer that keeps KV has one (the KV a sequence still reads is its
-        last ``kv_window`` tokens'); None when one attends to its whole context."""
-        windows = [self.window(i) for i in range(self.num_layers) if self.mixer(i) == "attention"]
+        """The longest sliding window (or attention chunk: a query at p reads from p - p % chunk, within ``chunk``
+        tokens) when every layer that keeps KV has one (the KV a sequence still reads is its last ``kv_window``
+        tokens'); None when one attends to its whole context."""
+        windows = [self._reach(i) for i in range(self.num_layers) if self.mixer(i) == "attention"]
         return max(windows) if windows and None not in windows else None
+
+    def _reach(self, layer: int) -> int | None:
+        """How many of its last tokens a query of layer ``layer`` may read: its window or its chunk; None: all."""
+        reaches = [r for r in (self.window(layer), self.chunk(layer)) if r is not None]
+        return min(reaches) if reaches else None
 
     def mixer(self, layer: int) -> str:
         """Layer ``layer``'s token mixer, one of ``TOKEN_MIXERS``."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from nanostream.testing import tiny_families as families  # the families of issue 57
 from nanostream.testing.tiny_latent import LATENT_ARCHITECTURES, LATENT_PRESETS, TINY_LATENT
 from nanostream.testing.tokenizer import build_tokenizer
 
@@ -37,6 +38,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration",
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
+    *families.FAMILY_ARCHITECTURES,
     *LATENT_ARCHITECTURES,
 )
 # The dense families' departures, each exercised: Gemma 3's sliding and full layers (a window shorter than
@@ -62,6 +64,7 @@ _CONFIG_CLASSES = {  # the text model's config, not the multimodal one
     "Gemma3ForCausalLM": "Gemma3TextConfig",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+    **families.FAMILY_CONFIG_CLASSES,
 }
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
 # Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert. DeepSeek's router (GLM-4.5: a dense
@@ -92,25 +95,15 @@ _TINY_MOE: dict[str, dict] = {
     ),
     # sliding (16 tokens) and full layers with sinks; the experts' clamp (limit 2) is reached at this init
     "GptOssForCausalLM": dict(
-        head_dim=16,
-        num_local_experts=6,
-        num_experts_per_tok=2,
-        intermediate_size=32,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        num_hidden_layers=3,
+        head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_hidden_layers=3,
         swiglu_limit=2.0,
         rope_parameters={
-            "rope_type": "yarn",
-            "factor": 8.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 256,
-            "rope_theta": 150000.0,
+            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 256, "rope_theta": 150000.0,
         },
     ),
-}
+}  # fmt: skip
 # The hybrid families: Gated DeltaNet layers (2 key heads, each read by 2 value heads) beside gated attention, a
 # full-attention layer in the middle and one last (Qwen3-Next, as published), and DeltaNet layers on both sides of it;
 # Qwen3-Next with a dense layer among its MoE ones. Their (1 + w) norms are drawn near 0, the DeltaNet's decay slow.
@@ -130,11 +123,12 @@ _TINY_HYBRID: dict[str, dict] = {
     ),
 }  # fmt: skip
 _CENTRED_NORMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config")}
-"""A multimodal checkpoint's tiny model: its language model's architecture, its config class."""
 _TINY_VISION = dict(
     depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
 )
+_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config", _TINY_VISION)}
+_MULTIMODAL |= families.FAMILY_MULTIMODAL
+"""A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
@@ -168,6 +162,7 @@ TINY_PRESETS: dict[str, dict] = {
     "qwen3_5_vl": dict(architecture="Qwen3_5ForConditionalGeneration", seed=22),  # with a vision tower
     "glm4_moe": dict(architecture="Glm4MoeForCausalLM", seed=23, tie_word_embeddings=False),
     "minimax_m2": dict(architecture="MiniMaxM2ForCausalLM", seed=24, tie_word_embeddings=False),
+    **families.FAMILY_PRESETS,
     **LATENT_PRESETS,
 }
 """make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
@@ -190,7 +185,9 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     config_cls, _ = _classes(architecture)
     if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
         text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
-        vision = {**_TINY_VISION, "out_hidden_size": text.hidden_size}
+        vision = dict(_MULTIMODAL[architecture][2])
+        if architecture == "Qwen3_5ForConditionalGeneration":  # its merger's output: the text model's width
+            vision["out_hidden_size"] = text.hidden_size
         config = config_cls(
             text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=text.tie_word_embeddings
         )
@@ -218,6 +215,7 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(_TINY_DENSE.get(architecture, {}))
     kwargs.update(_TINY_HYBRID.get(architecture, {}))
+    kwargs.update(families.FAMILY_CONFIGS.get(architecture, {}))
     kwargs.update(TINY_LATENT.get(architecture, {}))
     if architecture == "Qwen3_5MoeForCausalLM":
         kwargs.pop("intermediate_size")  # every layer is MoE: its configs have none

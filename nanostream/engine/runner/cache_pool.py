@@ -2,7 +2,9 @@
 hold them.
 
 - The layers with a ``PagedKV`` spec (softmax attention) share the KV pool (kv_pool.py): one block id names the
-  same tokens' K and V in each of them, so a sequence has one block table.
+  same tokens' K and V in each of them, so a sequence has one block table. Layers of another KV shape (Gemma 4's
+  full layers: another head size and KV head count) have their own tensor under the same block ids; a layer with a
+  ``SharedKV`` spec gets its source layer's views and costs nothing.
 - The layers with a ``PagedLatent`` spec (multi-head latent attention) page one latent entry a token under the same
   block ids (their own tensor, [layers, blocks, block_size, width]): a block costs its real bytes, no V half.
 - The layers with a ``RecurrentState`` spec (Gated DeltaNet) share the state pool: one slot id names a
@@ -23,7 +25,15 @@ import torch
 
 from nanostream.engine.runner.kv_pool import kv_pool_views
 from nanostream.layers.attention_backend import KVCache
-from nanostream.layers.cache_spec import CacheSpec, LatentCache, PagedKV, PagedLatent, RecurrentState, StateCache
+from nanostream.layers.cache_spec import (
+    CacheSpec,
+    LatentCache,
+    PagedKV,
+    PagedLatent,
+    RecurrentState,
+    SharedKV,
+    StateCache,
+)
 
 
 class CacheLayout:
@@ -32,15 +42,20 @@ class CacheLayout:
     def __init__(self, specs: list[CacheSpec]) -> None:
         self.specs = specs
         self.paged = [i for i, s in enumerate(specs) if isinstance(s, PagedKV)]
+        self.shared = [i for i, s in enumerate(specs) if isinstance(s, SharedKV)]
         self.latent = [i for i, s in enumerate(specs) if isinstance(s, PagedLatent)]
         self.recurrent = [i for i, s in enumerate(specs) if isinstance(s, RecurrentState)]
-        unknown = [type(s).__name__ for s in specs if not isinstance(s, PagedKV | PagedLatent | RecurrentState)]
+        kinds = PagedKV | SharedKV | PagedLatent | RecurrentState
+        unknown = [type(s).__name__ for s in specs if not isinstance(s, kinds)]
         if unknown:
             raise ValueError(f"no pool for the cache specs {sorted(set(unknown))}")
-        kv = {(specs[i].num_kv_heads, specs[i].head_dim) for i in self.paged}
-        if len(kv) > 1:
-            raise ValueError(f"attention layers of different KV shapes {sorted(kv)} in one pool")
-        self.kv_shape = kv.pop() if kv else None  # (Hkv, D)
+        for i in self.shared:
+            if specs[i].source not in self.paged or specs[i].source >= i:
+                raise ValueError(f"layer {i} shares layer {specs[i].source}'s KV: not an attention layer before it")
+        self.kv_groups: dict[tuple[int, int], list[int]] = {}
+        """The attention layers by KV shape (Hkv, D): one pool tensor each, under the same block ids."""
+        for i in self.paged:
+            self.kv_groups.setdefault((specs[i].num_kv_heads, specs[i].head_dim), []).append(i)
         widths = {specs[i].width for i in self.latent}
         if len(widths) > 1:
             raise ValueError(f"latent attention layers of different widths {sorted(widths)} in one pool")
@@ -53,10 +68,8 @@ class CacheLayout:
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one block: K and V of ``block_size`` tokens in every attention layer, and their latent entries in
         every latent attention layer."""
-        kv = latent = 0
-        if self.kv_shape is not None:
-            hkv, d = self.kv_shape
-            kv = 2 * len(self.paged) * hkv * d
+        kv = sum(2 * len(layers) * hkv * d for (hkv, d), layers in self.kv_groups.items())
+        latent = 0
         if self.latent_width is not None:
             latent = len(self.latent) * self.latent_width
         return (kv + latent) * block_size * kv_dtype.itemsize
@@ -65,6 +78,8 @@ class CacheLayout:
         """What the pools hold, in a line: "2,048 KV blocks of 16 tokens (4 attention layers); 64 sequences' states
         and 64 prefix-cache snapshots of 1.50 MiB each (12 recurrent layers)"."""
         layers = [_count(len(self.paged), "attention layer")] if self.paged else []
+        if self.shared:
+            layers.append(_count(len(self.shared), "layer reading another's KV", "layers reading another's KV"))
         if self.latent:
             layers.append(_count(len(self.latent), "latent attention layer"))
         kv = f"{num_blocks:,} KV blocks of {block_size} tokens ({', '.join(layers) or 'no attention layer'})"
@@ -93,11 +108,12 @@ def allocate_caches(
     """Zeroed pools: the KV blocks of the attention layers (the latent entries of the latent ones) and ``num_slots``
     state slots of the recurrent ones; each layer's views, in layer order."""
     caches: list[KVCache | LatentCache | StateCache | None] = [None] * len(layout.specs)
-    if layout.kv_shape is not None:
-        hkv, d = layout.kv_shape
-        views = kv_pool_views(len(layout.paged), num_blocks, block_size, hkv, d, kv_dtype, device)
-        for i, view in zip(layout.paged, views, strict=True):
+    for (hkv, d), layers in layout.kv_groups.items():
+        views = kv_pool_views(len(layers), num_blocks, block_size, hkv, d, kv_dtype, device)
+        for i, view in zip(layers, views, strict=True):
             caches[i] = view
+    for i in layout.shared:
+        caches[i] = caches[layout.specs[i].source]
     if layout.latent_width is not None:
         pool = torch.zeros(len(layout.latent), num_blocks, block_size, layout.latent_width, dtype=kv_dtype,
                            device=device)  # fmt: skip
@@ -129,5 +145,5 @@ def init_states(caches: list[KVCache | StateCache], zero: list[int], restore: li
                 t.index_copy_(0, dst, t.index_select(0, src))
 
 
-def _count(n: int, thing: str) -> str:
-    return f"{n} {thing}{'' if n == 1 else 's'}"
+def _count(n: int, thing: str, things: str | None = None) -> str:
+    return f"{n} {thing if n == 1 else things or thing + 's'}"

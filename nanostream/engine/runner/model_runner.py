@@ -83,11 +83,12 @@ class ModelRunner:
         kernels = LayerKernels.for_backend(
             self.backend, compile=cuda and config.torch_compile, batch_invariant=config.batch_invariant
         )
-        if cuda:  # Gated DeltaNet: decode steps in place at the state slots; prompts through fla-core's kernels
-            from nanostream.kernels.gated_delta_decode import decode_step
+        if cuda:  # Gated DeltaNet, short convolutions: decode steps in place at the state slots; prompts through fla
+            from nanostream.kernels.gated_delta_decode import decode_step, short_conv_decode
 
             prompts = varlen_delta_rule if fla_runs(self.device, self.dtype) and not config.batch_invariant else None
-            kernels = dataclasses.replace(kernels, delta_rule=prompts, delta_decode=decode_step)
+            decode = dict(delta_decode=decode_step, conv_decode=short_conv_decode)
+            kernels = dataclasses.replace(kernels, delta_rule=prompts, **decode)
         self.model = load_model(
             self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp,
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
@@ -119,7 +120,7 @@ class ModelRunner:
                 device=self.device,
                 states=self.layout.has_state,
             )
-        if graphs and tp.size == 1 and not self.layout.has_state:  # (a recurrent layer's prompts: host bookkeeping)
+        if graphs and tp.size == 1 and not self.layout.has_state and self.model.model.piecewise:  # (host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
         if cuda:
             self._warm_logits()
