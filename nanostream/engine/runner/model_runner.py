@@ -72,14 +72,9 @@ class ModelRunner:
         self.uploads = Uploads(self.device)  # host memory of this runner's uploads (step_inputs.py)
         cuda = self.device.type == "cuda"
         self.backend = get_backend(
-            config.attention_backend,
-            self.device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            head_dim=self.spec.head_dim,
-            kv_cache_dtype=self.kv_dtype,
-            batch_invariant=config.batch_invariant,
-        )
+            config.attention_backend, self.device, dtype=self.dtype, block_size=self.block_size,
+            head_dim=self.spec.head_dim, kv_cache_dtype=self.kv_dtype, batch_invariant=config.batch_invariant,
+        )  # fmt: skip
         kernels = LayerKernels.for_backend(
             self.backend, compile=cuda and config.torch_compile, batch_invariant=config.batch_invariant
         )
