@@ -100,3 +100,34 @@ def outputs_at_one_and_two_ranks(path, prompts: list[list[int]], params, **optio
         assert stats.preemptions > 0 and stats.prefix_cache_hits > 0
         runs.append(outputs)
     return runs
+
+
+@contextlib.contextmanager
+def served_openai(path, runtime_dir, monkeypatch) -> Iterator[tuple[object, list[str]]]:
+    """``nanostream serve PATH --openai-port P`` on the CPU as a user starts it (a process of its own, its runtime
+    files under ``runtime_dir``): yields an ``openai.OpenAI`` client on it and the lines serve printed up to its
+    ready line; stopped by SIGTERM after, which it must answer with exit code 0."""
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime_dir))
+    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanostream", "serve", str(path), "--device", "cpu", "--max-model-len", "256",
+           "--kvcache-block-size", "16", "--openai-port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said = []  # what serve prints up to its ready line
+    try:
+        while not (said and said[-1].startswith("nanostream engine ready at ")):
+            said.append(proc.stdout.readline())
+            assert said[-1], f"no engine came up: {proc.stderr.read()}"
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=20), said
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0

@@ -132,35 +132,17 @@ def test_gpt_oss_streams_through_serve_and_the_openai_client_as_transformers_gen
 ):
     # The whole product on one family: `nanostream serve` with its OpenAI frontend, the official client
     # streaming a completion well past the sliding window, the text transformers' greedy tokens decode to.
-    import signal
-    import subprocess
-    import sys
-
-    from openai import OpenAI
+    from helpers import served_openai
     from test_hf_parity import hf_greedy
-    from test_service import free_port, ready
     from transformers import AutoTokenizer
 
     path = family_dirs("gpt_oss")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanostream", "serve", str(path), "--device", "cpu", "--max-model-len", "256"]
-    proc = subprocess.Popen(
-        [*cmd, "--openai-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        ready(proc)
-        api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=20)
-        prompt = random_prompts([40], seed=27)[0]
+    prompt = random_prompts([40], seed=27)[0]
+    with served_openai(path, tmp_path, monkeypatch) as (api, _):
         stream = api.completions.create(
             model=path.name, prompt=prompt, max_tokens=40, temperature=0, stream=True, extra_body={"min_tokens": 40}
         )
         chunks = [c.choices[0].text for c in stream if c.choices]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    assert code == 0
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert len(chunks) > 10  # streamed, not one piece
     expected = tokenizer.decode(hf_greedy(hf_model_cache(path), prompt, 40), skip_special_tokens=True)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import outputs_at_one_and_two_ranks
+from helpers import outputs_at_one_and_two_ranks, served_openai
 from test_hf_parity import assert_matches_hf, greedy, random_prompts
 
 from nanostream import LLM, SamplingParams
@@ -175,38 +175,18 @@ def test_two_ranks_generate_what_one_does_through_chunks_hits_and_preemption(nam
 
 @pytest.mark.slow
 def test_qwen3_5_streams_through_serve_and_the_openai_client_and_refuses_an_image(vl_dir, tmp_path, monkeypatch):
-    import signal
-    import subprocess
-    import sys
-
     import openai
     import transformers
     from test_hf_parity import hf_greedy
-    from test_service import free_port
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanostream", "serve", str(vl_dir), "--device", "cpu", "--max-model-len", "256",
-           "--kvcache-block-size", "16", "--openai-port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    said = []  # what serve prints up to its ready line
-    try:
-        while not (said and said[-1].startswith("nanostream engine ready at ")):
-            said.append(proc.stdout.readline())
-            assert said[-1], f"no engine came up: {proc.stderr.read()}"
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=20)
-        prompt = random_prompts([40], seed=49)[0]
+    prompt = random_prompts([40], seed=49)[0]
+    with served_openai(vl_dir, tmp_path, monkeypatch) as (api, said):
         stream = api.completions.create(model=vl_dir.name, prompt=prompt, max_tokens=24, temperature=0, stream=True,
                                         extra_body={"min_tokens": 24})  # fmt: skip
         chunks = [c.choices[0].text for c in stream if c.choices]
         image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
         with pytest.raises(openai.BadRequestError, match="runs the model's language model only"):
             api.chat.completions.create(model=vl_dir.name, messages=[{"role": "user", "content": image}])
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    assert code == 0
     out = "".join(said)
     # what the pools hold: the attention layer's KV blocks, the 3 DeltaNet layers' states and their snapshots
     assert re.search(r"cache: [\d,]+ KV blocks of 16 tokens \(1 attention layer\); 256 sequences' states and \d+ "

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 import transformers
+from helpers import served_openai
 from safetensors.torch import load_file, save_file
 from test_fp8_weights import KEPT_LAYOUTS, LAYOUTS, quantize, write_fp8
 from test_hf_parity import greedy, hf_greedy, random_prompts
@@ -322,34 +323,12 @@ def test_two_rank_engines_match_hf_through_chunks_hits_and_preemption(dirs, hf):
 
 @pytest.mark.slow
 def test_deepseek_v3_streams_through_serve_and_the_openai_client(dirs, hf, tmp_path, monkeypatch):
-    import signal
-    import subprocess
-    import sys
-
-    import openai
-    from test_service import free_port
-
     path = dirs["deepseek_v3"]
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.delenv("NANOSTREAM_ADDRESS", raising=False)
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanostream", "serve", str(path), "--device", "cpu", "--max-model-len", "256",
-           "--kvcache-block-size", "16", "--openai-port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    said = []  # what serve prints up to its ready line
-    try:
-        while not (said and said[-1].startswith("nanostream engine ready at ")):
-            said.append(proc.stdout.readline())
-            assert said[-1], f"no engine came up: {proc.stderr.read()}"
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=20)
-        prompt = random_prompts([40], seed=61)[0]
+    prompt = random_prompts([40], seed=61)[0]
+    with served_openai(path, tmp_path, monkeypatch) as (api, said):
         stream = api.completions.create(model=path.name, prompt=prompt, max_tokens=24, temperature=0, stream=True,
                                         extra_body={"min_tokens": 24})  # fmt: skip
         chunks = [c.choices[0].text for c in stream if c.choices]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    assert code == 0
     assert re.search(r"cache: [\d,]+ KV blocks of 16 tokens \(3 latent attention layers\)", "".join(said)), said
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     assert len(chunks) > 5
