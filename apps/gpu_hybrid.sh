@@ -64,6 +64,10 @@ turns)
         timeout 280 python3 apps/bench_multiturn.py --preset "$preset" "${extra[@]}" 2>&1 \
             | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
     done ;;
+engine)  # the hybrid engine's GPU tests alone (a stack dump of every thread where one stalls), then the 9B bench
+    timeout -s INT 300 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=150 \
+        tests/test_hybrid_engine.py 2>&1 | tail -n 60
+    BENCH_S=260 bench qwen3.5-9b qwen3.5-9b ;;
 mla)
     timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b

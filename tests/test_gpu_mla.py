@@ -39,7 +39,11 @@ def test_float32_triton_backend_matches_hf_with_and_without_cuda_graphs(name, en
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_bfloat16_triton_backend_agrees_with_the_torch_backend(name, mla_dirs):
-    bfloat16_backend_agrees_with_torch_backend(mla_dirs[name], "triton")
+    # These are DeepSeek-routed MoE models: as in test_gpu_moe.py, where a token's K-th and (K+1)-th experts are a bf16
+    # rounding apart, the absorbed decode (q times W_UK against the latent) and the torch backend's expanded K round
+    # it differently and route it to another expert: a step falls far below cosine 0.999 (on an H100, one of 32
+    # at 0.92 with the same tokens so far). The float32 tests above are token-exact with transformers.
+    bfloat16_backend_agrees_with_torch_backend(mla_dirs[name], "triton", at_rounding=0.8)
 
 
 def test_an_fp8_latent_cache_runs_in_the_graphs_near_the_bfloat16_one(mla_dirs):
