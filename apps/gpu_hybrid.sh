@@ -2,6 +2,7 @@
 # Issues 55 (Gated DeltaNet hybrids) and 56 (latent attention) on one GPU, one call a stage:
 #   bash apps/gpu_hybrid.sh tests   # the gpu-marked hybrid and MLA tests, bench_gdn.py, the MLA kernel section, ~6 min
 #   bash apps/gpu_hybrid.sh first   # tests, then bench's 8B and 9B runs: one call where few are to be had, ~9 min
+#   bash apps/gpu_hybrid.sh engine  # test_hybrid_engine.py's GPU tests alone, then bench's 8B and 9B runs, ~9 min
 #   bash apps/gpu_hybrid.sh bench   # the bench workload: Qwen3-8B, Qwen3.5-9B, Qwen3.6-35B-A3B (FP8 on an H100,
 #                                   #   bf16 on an H200) shapes, dummy weights, the same call, ~7 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
@@ -10,7 +11,7 @@
 #                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
-stage=${1:?usage: gpu_hybrid.sh tests|bench|long|turns|mla}
+stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|long|turns|mla}
 site=/tmp/nanostream-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null 2>&1
@@ -64,10 +65,11 @@ turns)
         timeout 280 python3 apps/bench_multiturn.py --preset "$preset" "${extra[@]}" 2>&1 \
             | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
     done ;;
-engine)  # the hybrid engine's GPU tests alone (a stack dump of every thread where one stalls), then the 9B bench
-    timeout -s INT 300 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=150 \
-        tests/test_hybrid_engine.py 2>&1 | tail -n 60
-    BENCH_S=260 bench qwen3.5-9b qwen3.5-9b ;;
+engine)  # the hybrid engine's GPU tests alone (a stack dump of every thread where one stalls), then 8B and 9B
+    timeout -s INT 270 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=150 \
+        tests/test_hybrid_engine.py 2>&1 | tail -n 40
+    BENCH_S=120 bench qwen3-8b qwen3-8b "${dummy[@]}"
+    BENCH_S=190 bench qwen3.5-9b qwen3.5-9b ;;
 mla)
     timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b
