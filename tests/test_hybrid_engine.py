@@ -74,6 +74,25 @@ def test_prefix_hits_at_several_depths_give_a_cold_runs_tokens(hybrid_dir, hf_mo
     assert_matches_hf(hf_model_cache(hybrid_dir), prompts, outputs, params.max_tokens)
 
 
+def test_the_prompts_end_snapshot_is_kept_when_every_slot_waits_for_its_step(hybrid_dirs):
+    # 4 snapshot slots (max_num_seqs), all taken by the first chunk's interval boundaries (16..64) and still waiting
+    # for their step when the second chunk is scheduled: the prompt's end (96) takes the latest one's slot, so the
+    # next turn restores its whole history, as a cold run would compute it.
+    path = hybrid_dirs["qwen3_5"]
+    shared = random_prompts([100], seed=52)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 50], seed=53)]
+    params = greedy(8)
+    options = {**ENGINE, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+    with LLM(str(path), **options) as llm:
+        assert llm.engine.scheduler.block_manager.states.num_snapshots == 4
+        llm.generate([shared], params, use_tqdm=False)
+        hit = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(path), **options, enable_prefix_caching=False) as cold:
+        fresh = cold.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in hit] == [96, 96]
+    assert [o.token_ids for o in hit] == [o.token_ids for o in fresh]
+
+
 def test_n_samples_share_the_prompts_state_and_are_each_what_one_request_gives(hybrid_dirs):
     path = hybrid_dirs["qwen3_5"]
     prompt = random_prompts([45], seed=44)[0]

@@ -238,8 +238,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             for boundary, tail in self._boundaries(seq, start, end):
                 slot = self._take_snapshot(seq, boundary, tail)
-                if slot is not None:
-                    snapshots.append((boundary - start, slot))
+                if slot is not None:  # (a slot taken back from an earlier boundary of this chunk: the later copy)
+                    snapshots = [(n, s) for n, s in snapshots if s != slot] + [(boundary - start, slot)]
         return ChunkState(seq.state_slot, init, tuple(snapshots))
 
     def _boundaries(self, seq: Sequence, start: int, end: int) -> list[tuple[int, bool]]:
@@ -256,7 +256,17 @@ class BlockManager:
         return out
 
     def _take_snapshot(self, seq: Sequence, boundary: int, tail: bool) -> int | None:
-        taken = self.states.take_snapshot(lambda b: self.blocks[b].ref_count > 0)
+        in_use = lambda b: self.blocks[b].ref_count > 0
+        taken = self.states.take_snapshot(in_use)
+        if taken is None and (tail or boundary == seq.num_prompt_tokens // self.block_size * self.block_size):
+            # Every slot waits for its step. The prompt's end (what the conversation's next turn hits) and a decode
+            # tail go before this sequence's own latest snapshot still waiting: a step copies into the slot
+            # after the earlier step's copy, and the earlier boundary is never cached.
+            last_tail = seq.tail_snapshot[0] if seq.tail_snapshot else None
+            own = max((b for b in seq.pending_snapshots if b < boundary and b != last_tail), default=None)
+            if own is not None:
+                self.states.release(seq.pending_snapshots.pop(own))
+                taken = self.states.take_snapshot(in_use)
         if taken is None:
             return None
         slot, evicted = taken
