@@ -93,6 +93,20 @@ def test_the_prompts_end_snapshot_is_kept_when_every_slot_waits_for_its_step(hyb
     assert [o.token_ids for o in hit] == [o.token_ids for o in fresh]
 
 
+def test_six_conversations_next_turns_each_restore_their_whole_history(hybrid_dirs):
+    # 12 snapshot slots for six conversations' interval, prompt-end and decode-tail snapshots: the chunks that a step
+    # plans take slots only after every admission of the step holds its hit, so no turn loses its history to
+    # the turns admitted beside it (the last one hit 0 tokens before).
+    path = hybrid_dirs["qwen3_5"]
+    prompts = random_prompts([5, 17, 40, 3, 64, 9], seed=54)
+    params = greedy(40)
+    with LLM(str(path), **ENGINE, max_num_batched_tokens=128, max_num_seqs=12) as llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        turns = [p + o.token_ids + tail for p, o, tail in zip(prompts, first, random_prompts([4] * 6, seed=55))]
+        second = llm.generate(turns, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in second] == [(len(p) + 39) // 8 * 8 for p in prompts]
+
+
 def test_n_samples_share_the_prompts_state_and_are_each_what_one_request_gives(hybrid_dirs):
     path = hybrid_dirs["qwen3_5"]
     prompt = random_prompts([45], seed=44)[0]
@@ -273,6 +287,7 @@ def test_on_a_gpu_hybrid_decode_replays_cuda_graphs_with_the_state_slots_as_inpu
             first = llm.generate(prompts, params, use_tqdm=False)
             turns = [p + o.token_ids + tail for p, o, tail in zip(prompts, first, random_prompts([4] * 6, seed=55))]
             second = llm.generate(turns, params, use_tqdm=False)
-        assert all(o.num_cached_tokens >= 32 for o in second)  # a snapshot from the first turn's decode
+        # each second turn restores the first's state at its last full block, a decode tail
+        assert [o.num_cached_tokens for o in second] == [(len(p) + 39) // 8 * 8 for p in prompts]
         runs.append([o.token_ids for o in first + second])
     assert runs[0] == runs[1]

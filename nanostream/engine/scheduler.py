@@ -95,7 +95,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledChunk] = []
+        scheduled: list[tuple[Sequence, int]] = []  # planned once every prefix hit of the step holds its blocks
         # 1 + 2: decodes, then chunks of prefills in progress.
         decodes, prefills = [], []
         for s in self.running:
@@ -116,7 +116,7 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                scheduled.append(self._chunk(seq, n))
+                scheduled.append((seq, n))
                 budget -= n
         # 3. admissions.
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -134,9 +134,10 @@ class Scheduler:
                 self.num_prefix_hits += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._chunk(seq, n))
+            scheduled.append((seq, n))
             budget -= n
-        return scheduled
+        # The state snapshots the chunks take may evict cached ones, never one that an admission just hit.
+        return [self._chunk(seq, n) for seq, n in scheduled]
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         """The next ``n`` tokens of ``seq`` (its blocks allocated), with its state's plan where the model has one."""
