@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU
+from nanostream.kernels.expert_ops import GATED_ACTIVATIONS, Activation, ClampedSwiGLU
 
 ROUTERS = ("softmax", "grouped_topk", "sigmoid")
 SCORINGS = ("sigmoid", "softmax")
@@ -77,8 +77,10 @@ class MoESpec:
                 "softmax_after_topk gives weights that sum to 1 in the logits' dtype: leave renormalize and "
                 "float32_weights False with it"
             )
-        if self.activation != "silu" and not isinstance(self.activation, ClampedSwiGLU):
-            raise ValueError(f"the experts' activation is 'silu' or a ClampedSwiGLU, not {self.activation!r}")
+        if self.activation not in GATED_ACTIVATIONS and not isinstance(self.activation, ClampedSwiGLU):
+            raise ValueError(
+                f"the experts' activation is one of {GATED_ACTIVATIONS} or a ClampedSwiGLU, not {self.activation!r}"
+            )
         if self.router not in ROUTERS or self.scoring not in SCORINGS:
             raise ValueError(f"router {self.router!r} with scoring {self.scoring!r}: one of {ROUTERS}, of {SCORINGS}")
         grouped = (self.scoring, self.correction_bias, self.groups, self.topk_groups, self.scaling, self.float32_router)
