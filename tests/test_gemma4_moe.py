@@ -5,15 +5,16 @@ times a learned per-expert scale, each output normed and the two added (layers/m
 Token-exact parity with transformers (prompts of 1 to 700 tokens, prefix hits and chunks across the window's edge,
 preemption, the Triton kernels under the interpreter) runs in tests/test_families_2025.py on the ``gemma4_moe``
 preset, and so do two ranks; here: what the config reads as, that every drawn router, scale and norm weight of the
-block steers transformers' greedy tokens (so that parity cannot pass with one of them ignored), and the refusal
-with numbers of a tensor-parallel split the experts do not divide.
+block steers transformers' greedy tokens (so that parity cannot pass with one of them ignored), and the refusals
+with numbers: a tensor-parallel split the experts do not divide, an FP8 KV cache with KV-shared layers.
 """
 
 import pytest
 import torch
 import transformers
-from test_hf_parity import random_prompts
+from test_hf_parity import greedy, random_prompts
 
+from nanostream import LLM
 from nanostream.models.config_reader import decoder_spec
 from nanostream.models.sharding import check_split
 from nanostream.testing import TINY_PRESETS, make_tiny_model
@@ -74,3 +75,16 @@ def test_a_split_the_experts_do_not_divide_is_refused_with_the_numbers():
     check_split(spec, 1)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*the experts' intermediate size \(33\) is not div"):
         check_split(spec, 2)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
+def test_an_fp8_kv_cache_with_kv_shared_layers_is_refused_at_construction(name, tmp_path):
+    # Refused by LLM(...) itself, before any step, saying what to change; without shared layers FP8 KV loads.
+    path = make_tiny_model(tmp_path / "shared", weights=False, **TINY_PRESETS[name])
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8' .* KV-shared layers .*layers 4-5.*kv_cache_dtype='auto'"
+    ):
+        LLM(str(path), device="cpu", load_format="dummy", kv_cache_dtype="fp8")
+    path = make_tiny_model(tmp_path / "own", weights=False, **TINY_PRESETS[name], num_kv_shared_layers=0)
+    with LLM(str(path), device="cpu", load_format="dummy", kv_cache_dtype="fp8", kvcache_block_size=8) as llm:
+        assert len(llm.generate([list(range(5, 40))], greedy(3), use_tqdm=False)[0].token_ids) == 3
