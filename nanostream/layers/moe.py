@@ -1,7 +1,6 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2 (and the routers
-of the others, Gemma 4's experts beside its dense MLP: layers/moe_beside_mlp.py): a router picks
-each token's top-k experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the
-routing weights.
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2, and the routers (Gemma
+4's too, whose experts run beside its dense MLP: layers/moe_beside_mlp.py): a router picks each token's top-k
+experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the routing weights.
 
 - ``Router``: the gate linear [E, H], a float32 softmax over the experts, the top k, renormalised over
   those k when ``MoESpec.renormalize`` (``norm_topk_prob``; Mixtral always). This is transformers' order
