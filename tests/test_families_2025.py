@@ -5,8 +5,9 @@ Apertus (the ungated xIELU MLP), Seed-OSS (biases on q/k/v, o and the MLP), HunY
 embedding, NTK alpha), ERNIE 4.5 dense (interleaved rotary, biases) and MoE (softmax scores, a correction bias,
 shared experts after a dense layer), Ministral 3 (the queries' temperature past its original context), Llama 4
 (chunked local attention, a NoPE layer with the queries' temperature, weightless QK-norms after the interleaved
-rotary embedding, a top-1 sigmoid router scaling the expert's input beside a shared expert) and the language models
-of Mistral3ForConditionalGeneration and Llama4ForConditionalGeneration checkpoints. Prompts of 1 to 700 tokens,
+rotary embedding, a top-1 sigmoid router scaling the expert's input beside a shared expert), Gemma 4 dense and with its
+MoE block (tests/test_gemma4_moe.py) and the language models of Mistral3ForConditionalGeneration,
+Llama4ForConditionalGeneration and Gemma4ForConditionalGeneration checkpoints. Prompts of 1 to 700 tokens,
 prefix hits and chunks on both sides of the windows' edges, preemption, the fused prologue under Triton's
 interpreter, refusals by name.
 """
@@ -26,7 +27,7 @@ from nanostream.testing import TINY_PRESETS, make_tiny_model
 from nanostream.testing.tiny_families import FAMILY_PRESETS
 
 FAMILIES = list(FAMILY_PRESETS)
-WINDOWED = ["olmo3", "exaone4", "ministral3", "ernie4_5_moe", "llama4", "gemma4"]
+WINDOWED = ["olmo3", "exaone4", "ministral3", "ernie4_5_moe", "llama4", "gemma4", "gemma4_moe"]
 GREEDY = greedy(10)
 
 
@@ -58,7 +59,7 @@ def test_prefix_hits_and_chunks_across_the_window_edge_match_hf(name, family):
     assert_prefix_hits_and_chunks_match_hf(*family(name), seed=41, params=GREEDY)
 
 
-@pytest.mark.parametrize("name", ["exaone4", "ernie4_5_moe", "llama4", "gemma4"])
+@pytest.mark.parametrize("name", ["exaone4", "ernie4_5_moe", "llama4", "gemma4", "gemma4_moe"])
 def test_preemption_matches_hf(name, family):
     path, hf = family(name)
     prompts = random_prompts([60, 27, 43, 50], seed=43)
@@ -69,11 +70,11 @@ def test_preemption_matches_hf(name, family):
     assert_matches_hf(hf, prompts, outputs, params.max_tokens)
 
 
-@pytest.mark.parametrize("name", ["hunyuan", "ministral3", "exaone4", "llama4", "gemma4"])
+@pytest.mark.parametrize("name", ["hunyuan", "ministral3", "exaone4", "llama4", "gemma4", "gemma4_moe"])
 def test_triton_kernels_run_the_families_like_transformers(name, family):
     # Under Triton's interpreter without a GPU: QK-norms after the rotary embedding bypass the fused prologue (the
     # modules norm and rotate, the backend stores), the temperature scales the prologue's queries, a NoPE layer,
-    # Llama 4's chunks in both kernels.
+    # Llama 4's chunks in both kernels, Gemma 4's GeGLU experts in the fused MoE kernel.
     path, hf = family(name)
     shared = random_prompts([70], seed=44)[0]
     prompts = [shared + tail for tail in random_prompts([1, 12], seed=45)]
@@ -95,11 +96,8 @@ def test_triton_kernels_run_the_families_like_transformers(name, family):
         ("llama4", dict(num_experts_per_tok=2), "num_experts_per_tok"),
         ("llama4", dict(attention_chunk_size=0), "attention_chunk_size"),
         ("lfm2", dict(conv_bias=True), "conv_bias"),
-        (
-            "gemma4",
-            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-            "enable_moe_block",
-        ),
+        ("gemma4_moe", dict(top_k_experts=9), "top_k_experts=9 of num_experts=8"),
+        ("gemma4_moe", dict(num_experts=None), "num_experts=None"),
         ("lfm2", dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"]), "layer_types"),
     ],
 )
@@ -153,11 +151,14 @@ def test_on_a_gpu_the_llama4_scout_preset_generates_in_fp8_or_is_refused_with_th
 
 
 @pytest.mark.slow
-def test_two_gemma4_ranks_generate_what_one_does_through_chunks_hits_and_preemption(family):
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe"])
+def test_two_gemma4_ranks_generate_what_one_does_through_chunks_hits_and_preemption(name, family):
     # Each rank holds half of the query heads and of the sliding layers' two KV heads, and the full layers' one KV
     # head replicated; the per-layer inputs are computed whole on each rank; the shared layers read their source's
-    # pages on each rank. Rank 0 schedules; the workers mirror each step.
-    path, hf = family("gemma4")
+    # pages on each rank; with the MoE block, half of every expert's intermediate rows, the router and the block's
+    # norms whole (the experts' partial sums all-reduced before their norm). Rank 0 schedules; the workers mirror
+    # each step.
+    path, hf = family(name)
     shared = random_prompts([40], seed=47)[0]
     prompts = [shared + tail for tail in random_prompts([3, 30, 9, 17], seed=48)]
     options = dict(device="cpu", dtype="float32", kvcache_block_size=8, max_num_batched_tokens=24, max_num_seqs=4,

@@ -497,7 +497,7 @@ def test_an_fp8_mlp_at_one_token_fuses_its_activation_into_the_gemv_with_the_sam
     # At one token on CUDA a kept gate_up_proj's GEMV applies the activation (SiLU; Gemma's tanh GELU) as it
     # stores: each kept MLP's output is the bits of its three steps one by one, and a batch-1 request decodes.
     from nanostream.layers.fp8_linear import gemv_runs
-    from nanostream.models.decoder_layer import MLP
+    from nanostream.models.mlps import MLP
 
     src = make_tiny_model(tmp_path / "src", architecture=family, seed=6, hidden_size=256, intermediate_size=512,
                           head_dim=128, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip

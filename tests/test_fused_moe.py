@@ -1,7 +1,7 @@
 """The fused MoE kernel (nanostream.kernels.fused_moe) against the torch reference
 (layers.moe_reference.moe_experts), and the reference against a plain per-token loop over each token's experts:
-SiLU-and-mul experts, and gpt-oss's (biases on gate/up and down, the clamped SwiGLU, weights large enough that
-the clamp bites).
+SiLU-and-mul experts, Gemma 4's GELU-and-mul (tanh approximation), and gpt-oss's (biases on gate/up and down,
+the clamped SwiGLU, weights large enough that the clamp bites).
 
 On CPU the kernel runs under Triton's interpreter (small shapes, float32); the gpu-marked cases in
 tests/test_gpu_moe.py run it compiled, in bfloat16, at Qwen3-30B-A3B's and Mixtral's shapes.
@@ -9,10 +9,9 @@ tests/test_gpu_moe.py run it compiled, in bfloat16, at Qwen3-30B-A3B's and Mixtr
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanostream.kernels import moe_align
-from nanostream.kernels.expert_ops import ClampedSwiGLU
+from nanostream.kernels.expert_ops import ClampedSwiGLU, gated_activation
 from nanostream.kernels.fused_moe import TILES, MoETile, fused_moe, tile_for
 from nanostream.kernels.moe_align import align_by_expert
 from nanostream.layers.moe_reference import moe_experts
@@ -31,7 +30,7 @@ def per_token_loop(x, w13, w2, weights, ids, w13_bias=None, w2_bias=None, activa
             if w13_bias is not None:
                 h = h + w13_bias[e].double()
             gate, up = h[:inter], h[inter:]
-            y = w2[e].double() @ (F.silu(gate) * up if activation == "silu" else activation(gate, up))  # [H]
+            y = w2[e].double() @ gated_activation(activation, gate, up)  # [H]
             if w2_bias is not None:
                 y = y + w2_bias[e].double()
             out[t] += weights[t, j].double() * y
@@ -63,19 +62,22 @@ CASES = {  # (tokens, experts, top-k, hidden, intermediate, routing)
 }
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("case", CASES)
-def test_fused_moe_matches_the_torch_path(case):
+def test_fused_moe_matches_the_torch_path(case, activation):
     num_tokens, num_experts, k, hidden, inter, how = CASES[case]
     gen = torch.Generator().manual_seed(list(CASES).index(case))
     x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE)
     w13, w2 = experts(num_experts, hidden, inter, gen)
     ids, weights = routing(num_tokens, num_experts, k, gen, **how)
-    ref = moe_experts(x, w13, w2, weights, ids)
-    exact = per_token_loop(x, w13, w2, weights, ids)
+    ref = moe_experts(x, w13, w2, weights, ids, activation=activation)
+    exact = per_token_loop(x, w13, w2, weights, ids, activation=activation)
     torch.testing.assert_close(ref.double(), exact, rtol=1e-5, atol=1e-5)
+    if activation != "silu":  # the activation matters
+        assert not torch.allclose(ref, moe_experts(x, w13, w2, weights, ids), atol=1e-3)
     tiles = [None, MoETile(16, 16, 16, 2), MoETile(32, 32, 32, 1)]  # the table's, and two more (N, K tails)
     for tile in tiles:
-        out = fused_moe(x, w13, w2, weights, ids, tile=tile)
+        out = fused_moe(x, w13, w2, weights, ids, tile=tile, activation=activation)
         assert out.shape == x.shape and out.dtype == x.dtype
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -165,7 +167,9 @@ def test_the_launcher_checks_layouts():
         fused_moe(x, w13, w2, weights, ids, w13_bias=torch.zeros(4, 16, device=DEVICE))
     with pytest.raises(ValueError, match=r"w2_bias must be a float \[4, 32\] with contiguous rows"):
         fused_moe(x, w13, w2, weights, ids, w2_bias=torch.zeros(32, 4, device=DEVICE).t())
-    with pytest.raises(ValueError, match="activation is 'silu' or a ClampedSwiGLU, not 'gelu'"):
+    with pytest.raises(
+        ValueError, match=r"activation is one of \('silu', 'gelu_tanh'\) or a ClampedSwiGLU, not 'gelu'"
+    ):
         fused_moe(x, w13, w2, weights, ids, activation="gelu")
 
 

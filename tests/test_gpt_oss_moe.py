@@ -211,5 +211,7 @@ def test_a_checkpoint_laid_out_otherwise_than_the_spec_says_is_refused_with_the_
 def test_moe_spec_refuses_options_that_do_not_go_together():
     with pytest.raises(ValueError, match="leave renormalize and float32_weights False"):
         MoESpec(8, 2, 16, renormalize=True, float32_weights=False, layers=(0,), softmax_after_topk=True)
-    with pytest.raises(ValueError, match="'silu' or a ClampedSwiGLU, not 'gelu'"):
+    with pytest.raises(ValueError, match=r"one of \('silu', 'gelu_tanh'\) or a ClampedSwiGLU, not 'gelu'"):
         MoESpec(8, 2, 16, renormalize=False, float32_weights=False, layers=(0,), activation="gelu")
+    with pytest.raises(ValueError, match="normed_softmax routes the experts beside a dense MLP"):
+        MoESpec(8, 2, 16, renormalize=True, float32_weights=True, layers=(0,), router="normed_softmax")

@@ -1,5 +1,6 @@
 """What the routed experts compute besides their GEMMs, shared by the fused kernel (kernels/fused_moe.py) and
-the torch reference (layers/moe_reference.py): the experts' activation (``"silu"`` or gpt-oss's ``ClampedSwiGLU``) and,
+the torch reference (layers/moe_reference.py): the experts' activation (``"silu"``, Gemma 4's ``"gelu_tanh"`` or
+gpt-oss's ``ClampedSwiGLU``) and,
 in the batch-invariant mode, each token's top-k outputs added in order. Torch only (no Triton).
 """
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,20 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-Activation = Literal["silu"] | ClampedSwiGLU
-"""The experts' activation of their gate and up projections: ``"silu"`` (silu(gate) * up) or a ``ClampedSwiGLU``."""
+Activation = Literal["silu", "gelu_tanh"] | ClampedSwiGLU
+"""The experts' activation of their gate and up projections: ``"silu"`` (silu(gate) * up), ``"gelu_tanh"``
+(gelu(gate) * up, GELU's tanh approximation) or a ``ClampedSwiGLU``."""
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+"""The ``Activation`` names (the others are ``ClampedSwiGLU``s)."""
+
+
+def gated_activation(activation: Activation, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, ``activation`` one of ``GATED_ACTIVATIONS`` or a ``ClampedSwiGLU``."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return activation(gate, up)
 
 
 def ordered_topk_sum(out: torch.Tensor) -> torch.Tensor:

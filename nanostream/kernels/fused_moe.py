@@ -6,7 +6,8 @@ vLLM's ``fused_moe``), computing what ``nanostream.layers.moe_reference.moe_expe
    (a CUDA graph captures it at a fixed T).
 2. ``_moe_gemm_kernel`` with GATED_ACT: per block of pairs and tile of the intermediate dimension, the
    pairs' token rows times the expert's gate and up rows (two float32 accumulators), + their biases
-   (gpt-oss), the activation (silu(gate) * up, or gpt-oss's clamped SwiGLU) stored: [T*K, I]. The
+   (gpt-oss), the activation (silu(gate) * up, Gemma 4's gelu(gate) * up, or gpt-oss's clamped SwiGLU) stored:
+   [T*K, I]. The
    [T*K, 2I] gate/up product is never written.
 3. ``_moe_gemm_kernel`` with MUL_WEIGHT: per block and tile of H, those rows times the expert's down
    rows, + its bias (gpt-oss), times the pair's routing weight: [T*K, H].
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU, ordered_topk_sum
+from nanostream.kernels.expert_ops import GATED_ACTIVATIONS, Activation, ClampedSwiGLU, ordered_topk_sum
 from nanostream.kernels.moe_align import align_by_expert
 
 
@@ -88,7 +89,7 @@ def _moe_gemm_kernel(
 ):  # fmt: skip
     # Program -> (block of sorted pairs, tile of N), GROUP_M row blocks per band so that they reuse the
     # expert's weight tile from L2. c[pair, n] = sum_k a[pair // A_ROW_DIV, k] * w[expert, n, k]
-    # (w's rows have unit stride along K) (+ bias[expert, n] with HAS_BIAS); GATED_ACT ("silu" or
+    # (w's rows have unit stride along K) (+ bias[expert, n] with HAS_BIAS); GATED_ACT ("silu", "gelu_tanh" or
     # "clamped_swiglu"; "" for none): that is the gate, the same over the rows up_offset on (and the bias's
     # entries N on) the up, and c = act(gate, up). The flags are constexpr: a launch without them compiles to
     # the plain GEMM.
@@ -137,6 +138,9 @@ def _moe_gemm_kernel(
             acc_up += tl.load(b_ptrs + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED_ACT == "silu":
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    elif GATED_ACT == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z) * acc_up
     elif GATED_ACT == "clamped_swiglu":  # gpt-oss: gate clamped above, up on both sides, (up + 1) * swish_alpha(gate)
         gate = tl.minimum(acc, limit)
         up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -212,15 +216,15 @@ def fused_moe(
     (gate rows, then up) and w2 [E, H, I] (unit stride along their last dimension), topk_ids / topk_weights
     [T, K] (contiguous weights, any float dtype: applied in float32); [T, H] in x's dtype. ``w13_bias``
     [E, 2I] and ``w2_bias`` [E, H] (gpt-oss) are added to the float32 accumulators, before the activation
-    and the routing weight; ``activation`` is "silu" or gpt-oss's ``ClampedSwiGLU``.
+    and the routing weight; ``activation`` is "silu", "gelu_tanh" or gpt-oss's ``ClampedSwiGLU``.
 
     ``tile`` overrides ``tile_for``'s choice (benchmarks). ``invariant`` (the batch-invariant mode): the tile
     of ``INVARIANT_TOKENS`` tokens whatever the count, and each token's K rows added in top-k order, so that a
     token's output does not depend on the others'."""
     _check_layout(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     clamped = isinstance(activation, ClampedSwiGLU)
-    if not clamped and activation != "silu":
-        raise ValueError(f"fused_moe's activation is 'silu' or a ClampedSwiGLU, not {activation!r}")
+    if not clamped and activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"fused_moe's activation is one of {GATED_ACTIVATIONS} or a ClampedSwiGLU, not {activation!r}")
     alpha, limit = (activation.alpha, activation.limit) if clamped else (0.0, 0.0)
     (num_tokens, hidden), (num_experts, two_i, _), top_k = x.shape, w13.shape, topk_ids.shape[1]
     inter = two_i // 2
@@ -229,7 +233,7 @@ def fused_moe(
     tile = tile or tile_for(INVARIANT_TOKENS if invariant else num_tokens, num_experts, hidden, inter, x.dtype)
     sorted_pairs, block_experts, num_padded = align_by_expert(topk_ids, num_experts, tile.block_m)
     num_pairs, num_blocks_m = num_tokens * top_k, block_experts.shape[0]
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # act(gate) * up per pair
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # weighted down per pair
     common = dict(
         IEEE=x.dtype == torch.float32, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
@@ -241,7 +245,7 @@ def fused_moe(
         inter, hidden, num_pairs, num_blocks_m,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter * w13.stride(1),
         0 if w13_bias is None else w13_bias.stride(0), alpha, limit,
-        A_ROW_DIV=top_k, GATED_ACT="clamped_swiglu" if clamped else "silu", HAS_BIAS=w13_bias is not None,
+        A_ROW_DIV=top_k, GATED_ACT="clamped_swiglu" if clamped else activation, HAS_BIAS=w13_bias is not None,
         MUL_WEIGHT=False, **common,
     )  # fmt: skip
     _moe_gemm_kernel[(num_blocks_m * triton.cdiv(hidden, tile.block_n),)](

@@ -1,6 +1,6 @@
-"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2: a router picks
-each token's top-k experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the
-routing weights.
+"""The mixture-of-experts MLP of Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, GLM-4.5 and MiniMax-M2, and the routers (Gemma
+4's too, whose experts run beside its dense MLP: layers/moe_beside_mlp.py): a router picks each token's top-k
+experts, their gated MLPs run on the tokens routed to them, and the outputs are summed with the routing weights.
 
 - ``Router``: the gate linear [E, H], a float32 softmax over the experts, the top k, renormalised over
   those k when ``MoESpec.renormalize`` (``norm_topk_prob``; Mixtral always). This is transformers' order
@@ -8,6 +8,8 @@ routing weights.
   over every expert renormalised over the top k (the same value, rounded as transformers rounds it).
   gpt-oss (``router_bias``, ``softmax_after_topk``): the linear has a bias, and the softmax is over the
   k largest logits, in their dtype, as transformers' ``GptOssTopKRouter`` computes it.
+- ``NormedInputRouter`` (``router == "normed_softmax"``, Gemma 4's): that router on the input RMS-normed without
+  a weight, times a learned ``scale`` [H] and H^-0.5; each weight then times its expert's ``per_expert_scale``.
 - ``Experts`` (layers/experts.py): every expert's gate and up rows stacked, ``w13`` [E, 2I, H] (gate rows
   first), and down, ``w2`` [E, H, I]: transformers' stacked layout and the fused kernel's. gpt-oss's
   checkpoints (stacked [E, H, 2I] with gate and up interleaved, [E, I, H]) are de-interleaved and transposed
@@ -37,6 +39,7 @@ from nanostream.layers.experts import Experts
 from nanostream.layers.grouped_router import GroupedTopKRouter
 from nanostream.layers.linear import Gemm, MergedColumnLinear, RowParallelLinear
 from nanostream.layers.moe_spec import MoEFn, MoESpec
+from nanostream.layers.norm import RMSNorm, RMSNormFn
 
 
 class Router(nn.Module):
@@ -66,6 +69,24 @@ class Router(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_weights else weights.to(logits.dtype)), ids
+
+
+class NormedInputRouter(Router):
+    """x RMS-normed (no weight), times ``scale`` and hidden_size^-0.5, in x's dtype -> ``Router`` (the float32
+    softmax, the top k, renormalised, float32) -> each weight times its expert's ``per_expert_scale``: transformers'
+    ``Gemma4TextRouter``, in its order."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec, eps: float, norm: RMSNormFn, gemm: Gemm = F.linear) -> None:
+        super().__init__(hidden_size, spec, gemm)
+        self.norm = RMSNorm(hidden_size, eps, norm, weight_offset=0.0, learned=False)
+        self.scale = nn.Parameter(torch.empty(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.empty(spec.num_experts))
+        self.root_size = hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> weights [T, K] float32, ids [T, K] int64
+        weights, ids = super().forward(self.norm(x) * self.scale * self.root_size)
+        return weights * self.per_expert_scale[ids], ids
 
 
 class PartialSumLinear(RowParallelLinear):

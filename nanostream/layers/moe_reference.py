@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from nanostream.kernels.expert_ops import Activation, ordered_topk_sum
+from nanostream.kernels.expert_ops import Activation, gated_activation, ordered_topk_sum
 from nanostream.layers.linear import Gemm
 
 
@@ -75,7 +75,7 @@ def moe_experts(
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[sorted_ids]
     gate, up = gate_up.chunk(2, dim=-1)  # [T*K, I] each
-    act = F.silu(gate) * up if activation == "silu" else activation(gate, up)  # [T*K, I]
+    act = gated_activation(activation, gate, up)  # [T*K, I]
     out = grouped(act, w2, ends)  # [T*K, H]
     if w2_bias is not None:
         out = out + w2_bias[sorted_ids]

@@ -4,8 +4,10 @@ kernels/fused_moe.py's fused Triton kernel).
 
 Its router is one of ``ROUTERS``: ``softmax`` (layers/moe.py's ``Router``: a softmax over the experts, then the
 top k; gpt-oss's top k, then a softmax), ``sigmoid`` (the same ``Router``: the top k logits, each weight its
-sigmoid, Llama 4's) or ``grouped_topk`` (layers/grouped_router.py: DeepSeek's scores, a
-correction bias that steers the choice alone, group-limited top k, scaled weights).
+sigmoid, Llama 4's), ``grouped_topk`` (layers/grouped_router.py: DeepSeek's scores, a
+correction bias that steers the choice alone, group-limited top k, scaled weights) or ``normed_softmax``
+(layers/moe.py's ``NormedInputRouter``, Gemma 4's: the input RMS-normed and scaled, the softmax router renormalised,
+each weight times its expert's learned scale).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Protocol
 
 import torch
 
-from nanostream.kernels.expert_ops import Activation, ClampedSwiGLU
+from nanostream.kernels.expert_ops import GATED_ACTIVATIONS, Activation, ClampedSwiGLU
 
-ROUTERS = ("softmax", "grouped_topk", "sigmoid")
+ROUTERS = ("softmax", "grouped_topk", "sigmoid", "normed_softmax")
 SCORINGS = ("sigmoid", "softmax")
 """How a ``grouped_topk`` router scores each expert from its logit."""
 
@@ -70,6 +72,7 @@ class MoESpec:
     scaling: float = 1.0  # grouped_topk: the (renormalised) weights times this (routed_scaling_factor)
     float32_router: bool = False  # grouped_topk: its weight and correction bias float32, its GEMM in float32
     weights_on_input: bool = False  # the routing weight scales the token going into its one expert (top 1)
+    beside_dense: bool = False  # the experts run beside the layer's dense MLP (Gemma 4: layers/moe_beside_mlp.py)
 
     def __post_init__(self) -> None:
         if self.softmax_after_topk and (self.renormalize or self.float32_weights):
@@ -77,13 +80,17 @@ class MoESpec:
                 "softmax_after_topk gives weights that sum to 1 in the logits' dtype: leave renormalize and "
                 "float32_weights False with it"
             )
-        if self.activation != "silu" and not isinstance(self.activation, ClampedSwiGLU):
-            raise ValueError(f"the experts' activation is 'silu' or a ClampedSwiGLU, not {self.activation!r}")
+        if self.activation not in GATED_ACTIVATIONS and not isinstance(self.activation, ClampedSwiGLU):
+            raise ValueError(
+                f"the experts' activation is one of {GATED_ACTIVATIONS} or a ClampedSwiGLU, not {self.activation!r}"
+            )
         if self.router not in ROUTERS or self.scoring not in SCORINGS:
             raise ValueError(f"router {self.router!r} with scoring {self.scoring!r}: one of {ROUTERS}, of {SCORINGS}")
         grouped = (self.scoring, self.correction_bias, self.groups, self.topk_groups, self.scaling, self.float32_router)
         if self.router != "grouped_topk" and grouped != ("softmax", False, 1, 1, 1.0, False):
             raise ValueError("scoring, correction_bias, groups, topk_groups, scaling, float32_router: grouped_topk's")
+        if (self.router == "normed_softmax") != self.beside_dense:
+            raise ValueError("normed_softmax routes the experts beside a dense MLP (layers/moe_beside_mlp.py) alone")
         if self.weights_on_input and self.top_k != 1:
             raise ValueError("weights_on_input scales a token's input to its one expert: top_k must be 1")
         problem = group_problem(self.num_experts, self.top_k, self.groups, self.topk_groups)

@@ -235,12 +235,17 @@ UNSUPPORTED_ARCHITECTURES = {
 # Gemma 4 (text): Gemma's four norms (x * w, in float32), GeGLU, scaled embeddings, sliding and full layers, the
 # full ones with their own head size, KV heads and proportional rope (and V from K where attention_k_eq_v), values
 # normed, a softmax scale of 1, the last num_kv_shared_layers reading earlier layers' KV (double-wide MLPs there),
-# per-layer input embeddings, a scalar per layer, the final logits soft-capped. Its MoE block is not implemented.
+# per-layer input embeddings, a scalar per layer, the final logits soft-capped; with enable_moe_block (26B-A4B) GeGLU
+# experts beside every layer's dense MLP, routed on the MLP block's input normed and scaled, each output normed.
 ARCHITECTURES["Gemma4ForCausalLM"] = Architecture(
     qk_norm=True, attention_bias_key="attention_bias", norms=GEMMA_NORMS, norm_weight_offset=0.0,
     activation_key="hidden_activation", scale_embeddings=True, final_logit_softcap=True,
     rope_types=("default", "proportional"), per_layer_shapes=True, kv_sharing=True, value_norm=True,
-    per_layer_inputs=True, layer_scalar=True, unit_attention_scale=True, fixed_values=(("enable_moe_block", False),),
+    per_layer_inputs=True, layer_scalar=True, unit_attention_scale=True,
+    experts=Experts(
+        top_k_key="top_k_experts", switch_key="enable_moe_block", activation_key="hidden_activation",
+        router="normed_softmax", renormalize=True, float32_weights=True, sparse_layers=False, beside_dense=True,
+    ),
 )  # fmt: skip
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

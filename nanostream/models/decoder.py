@@ -179,6 +179,7 @@ class DecoderForCausalLM(nn.Module):
         **{f"feed_forward.{w}.weight": f"feed_forward.{n}.weight"
            for w, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
         "embedding_norm.weight": "norm.weight",
+        "router.proj.weight": "router.weight",  # Gemma 4's router (on the layer: layers/moe_beside_mlp.py)
     }  # fmt: skip
     # One expert's tensor, ``{block}.experts.{e}.{name}.weight`` -> (parameter of ``Experts``, its part):
     # the published checkpoints' names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2).

@@ -9,8 +9,9 @@ steps around the mixing, ``attn_in`` (the norms before it, the input projection)
 projection, the norms and residual adds around the MLP), so that where a family puts its norms (before each
 block as Llama, also after it as Gemma 3 and GLM-4, only after it as OLMo 2: ``LayerNorms``) is the layer's
 business. Its MLP is the dense ``MLP`` or, in the layers ``spec.moe`` names, the ``SparseMoE`` block
-(layers/moe.py). Every module is built for this rank's shard (models/sharding.py): q/k/v and gate/up
-column-parallel, o_proj and down_proj row-parallel; a Gated DeltaNet layer by key heads.
+(layers/moe.py), or the dense MLP with Gemma 4's experts beside it (layers/moe_beside_mlp.py): models/mlps.py.
+Every module is built for this rank's shard (models/sharding.py): q/k/v and gate/up column-parallel, o_proj and
+down_proj row-parallel; a Gated DeltaNet layer by key heads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import TensorParallel
-from nanostream.layers.activation import SiluAndMul
 from nanostream.layers.attention import Attention, ForwardContext, HeadSinks, WholeProjectionNorms
 from nanostream.layers.cache_spec import CacheSpec
 from nanostream.layers.gated_deltanet import GatedDeltaNet
@@ -31,12 +31,11 @@ from nanostream.layers.kv_variants import NormedValueAttention, SharedKVAttentio
 from nanostream.layers.latent_attention import LatentAttention
 from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.layers.linear import MergedColumnLinear, row_parallel_linear
-from nanostream.layers.moe import SparseMoE
 from nanostream.layers.norm import RMSNorm
 from nanostream.layers.per_layer_inputs import PerLayerInput
 from nanostream.layers.rotary import RotaryEmbedding
 from nanostream.layers.short_conv import ShortConv
-from nanostream.layers.xielu import XIELU
+from nanostream.models.mlps import MLP, experts_beside_mlp, layer_mlp
 from nanostream.models.sharding import DecoderShard, kv_split
 from nanostream.models.spec import DecoderSpec
 
@@ -100,42 +99,6 @@ class SelfAttention(nn.Module):
         self.o_proj = row_parallel_linear(_head_rows(shard.heads, d), spec.hidden_size, spec.o_bias, tp, kernels.linear)
 
 
-class MLP(nn.Module):
-    def __init__(
-        self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel, size: int | None = None
-    ) -> None:
-        super().__init__()  # ``size``: this layer's own intermediate size, else the spec's
-        total = spec.intermediate_size if size is None else size
-        rows = (
-            shard.intermediate
-            if size is None
-            else range(shard.rank * size // shard.size, (shard.rank + 1) * size // shard.size)
-        )
-        parts = {"gate": (rows, total), "up": (rows, total)}
-        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, parts, spec.mlp_bias, kernels.linear)
-        self.act = SiluAndMul(kernels.gated(spec.activation), spec.activation)
-        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.activated(x, self.act))
-
-
-class UngatedMLP(nn.Module):
-    """down(act(up(x))), no gate_proj; the activation a module of its own (xIELU's learned scalars: ``act_fn``)."""
-
-    def __init__(self, spec: DecoderSpec, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel) -> None:
-        super().__init__()
-        rows = shard.intermediate
-        # the checkpoint's up_proj, under the name of the gated MLP's fused projection (its only part "up")
-        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"up": (rows, spec.intermediate_size)}, spec.mlp_bias,
-                                          kernels.linear)  # fmt: skip
-        self.act_fn = XIELU()
-        self.down_proj = row_parallel_linear(rows, spec.hidden_size, spec.mlp_bias, tp, kernels.linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
     """One token-mixing block (attention or Gated DeltaNet) and one MLP block with the family's norms
     (``spec.norms``) around them.
@@ -179,7 +142,11 @@ class DecoderLayer(nn.Module):
         # the mixer's pieces by their place (not a second registration of its modules)
         for place, piece in zip(("mixer_in", "mixer", "mixer_out", "_cache_owner"), pieces, strict=True):
             object.__setattr__(self, place, piece)
-        self.mlp = _mlp(spec, layer_idx, kernels, shard, tp)
+        self.mlp = layer_mlp(spec, layer_idx, kernels, shard, tp)
+        beside = experts_beside_mlp(spec, layer_idx, kernels, shard, tp)  # Gemma 4's MoE block, None elsewhere
+        for name, module in beside.named_children() if beside is not None else ():
+            self.add_module(name, module)  # under the checkpoint's names, on the layer
+        object.__setattr__(self, "_beside", beside)  # (not a second registration of its modules)
         # Each norm under its checkpoint name, and by its place.
         places = ("attn_in", "attn_out", "mlp_in", "mlp_out")
         for place in places:
@@ -267,29 +234,10 @@ class DecoderLayer(nn.Module):
         else:  # OLMo 2: the MLP reads the sum itself
             x = residual = h + residual
         x = self.mlp(x)
+        if self._beside is not None:  # the routed experts on the MLP block's input, beside the dense MLP
+            x = self._beside(x, residual)
         if self.residual_multiplier is not None:
             x = x * self.residual_multiplier
         if self._mlp_out is not None:
             x = self._mlp_out(x)
         return x, residual
-
-
-def _mlp(
-    spec: DecoderSpec, layer_idx: int, kernels: LayerKernels, shard: DecoderShard, tp: TensorParallel
-) -> nn.Module:
-    """Layer ``layer_idx``'s MLP: the MoE block in the layers ``spec.moe`` names, else the dense one."""
-    if spec.moe is None or layer_idx not in spec.moe.layers:
-        if spec.layer_intermediate and spec.layer_intermediate[layer_idx] != spec.intermediate_size:
-            return MLP(spec, kernels, shard, tp, spec.layer_intermediate[layer_idx])
-        return MLP(spec, kernels, shard, tp) if spec.mlp_gated else UngatedMLP(spec, kernels, shard, tp)
-    act = SiluAndMul(kernels.silu_and_mul)
-    return SparseMoE(
-        spec.hidden_size,
-        spec.moe,
-        shard.expert_intermediate,
-        shard.shared_intermediate,
-        kernels.moe,
-        act,
-        tp,
-        kernels.linear,
-    )

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanostream.errors import ModelLoadError
-from nanostream.kernels.expert_ops import ClampedSwiGLU
+from nanostream.kernels.expert_ops import GATED_ACTIVATIONS, ClampedSwiGLU
+from nanostream.layers.activation import ACTIVATIONS
 from nanostream.layers.moe_spec import SCORINGS, MoESpec, group_problem
 
 
@@ -73,6 +74,15 @@ class Experts:
     ``intermediate_size``, the routed experts' own)."""
     transposed: bool = False
     """The checkpoint's stacked experts are [E, H, 2I] and [E, I, H], inputs first (gate and up halves)."""
+    top_k_key: str = "num_experts_per_tok"
+    """The config key of how many experts a token is routed to (Gemma 4's ``top_k_experts``)."""
+    switch_key: str | None = None
+    """The config key that turns the MoE layers on (Gemma 4's ``enable_moe_block``); None: they are always there."""
+    activation_key: str | None = None
+    """The config key naming the experts' gated activation (Gemma 4's ``hidden_activation``); None: SiLU."""
+    beside_dense: bool = False
+    """The experts run beside the layer's dense MLP on the MLP block's input, each output normed, the two added
+    (Gemma 4's MoE block, layers/moe_beside_mlp.py)."""
 
 
 TOPK_METHODS = ("noaux_tc", "greedy")
@@ -99,14 +109,16 @@ def count(hf_config: Any, key: str, arch_name: str) -> int:
 
 def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None:
     """The MoE layers a config declares, refusing what nanostream does not run; None: none (every MLP dense)."""
+    if experts.switch_key is not None and not getattr(hf_config, experts.switch_key, False):
+        return None
     num_experts = getattr(hf_config, experts.num_experts_key, None)
     if num_experts == 0 and experts.sparse_layers:  # transformers' Qwen MoE models: every layer dense
         return None
     num_experts = positive_int(hf_config, experts.num_experts_key, arch_name)
-    top_k = positive_int(hf_config, "num_experts_per_tok", arch_name)
+    top_k = positive_int(hf_config, experts.top_k_key, arch_name)
     if top_k > num_experts:
         raise ModelLoadError(
-            f"{arch_name} routes each token to num_experts_per_tok={top_k} of {experts.num_experts_key}={num_experts} "
+            f"{arch_name} routes each token to {experts.top_k_key}={top_k} of {experts.num_experts_key}={num_experts} "
             "experts; it cannot pick more than there are"
         )
     layers = _moe_layers(hf_config, arch_name, experts)
@@ -126,9 +138,11 @@ def moe_spec(hf_config: Any, arch_name: str, experts: Experts) -> MoESpec | None
     if renormalize is None:
         renormalize = bool(getattr(hf_config, "norm_topk_prob", False))
     fields = dict(
-        router=experts.router, transposed_experts=experts.transposed, weights_on_input=experts.weights_on_input
-    )
+        router=experts.router, transposed_experts=experts.transposed, weights_on_input=experts.weights_on_input,
+        beside_dense=experts.beside_dense,
+    )  # fmt: skip
     fields |= _gpt_oss(hf_config, experts) | _grouped_router(hf_config, arch_name, experts, num_experts, top_k)
+    fields |= _activation(hf_config, arch_name, experts)
     return MoESpec(
         num_experts=num_experts,
         top_k=top_k,
@@ -192,6 +206,19 @@ def _gpt_oss(hf_config: Any, experts: Experts) -> dict[str, Any]:
         transposed_experts=True,
         interleaved_gate_up=True,
     )
+
+
+def _activation(hf_config: Any, arch_name: str, experts: Experts) -> dict[str, Any]:
+    """The experts' activation where the config names it (``activation_key``); {} for SiLU's or gpt-oss's."""
+    if experts.activation_key is None:
+        return {}
+    name = getattr(hf_config, experts.activation_key, None)
+    if ACTIVATIONS.get(name) not in GATED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{arch_name} with {experts.activation_key}={name!r} is not supported; nanostream's experts run "
+            f"{', '.join(k for k, v in ACTIVATIONS.items() if v in GATED_ACTIVATIONS)}"
+        )
+    return {"activation": ACTIVATIONS[name]}
 
 
 def _grouped_router(hf_config: Any, name: str, experts: Experts, num_experts: int, top_k: int) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def split_problems(spec: DecoderSpec, size: int) -> list[str]:
                 f"it is not a multiple of num_key_value_heads ({hkv}), so the KV heads cannot be replicated"
             )
     moe = spec.moe
-    dense_layers = spec.num_layers - (len(moe.layers) if moe else 0)
+    dense_layers = spec.num_layers - (len(moe.layers) if moe and not moe.beside_dense else 0)
     if dense_layers and spec.intermediate_size % size:
         problems.append(f"intermediate_size ({spec.intermediate_size}) is not divisible by it")
     if moe and moe.intermediate_size % size:

@@ -88,5 +88,10 @@ FAMILY_PRESETS: dict[str, dict] = {
     "lfm2": dict(architecture="Lfm2ForCausalLM", seed=41),  # tied, as published
     "gemma4": dict(architecture="Gemma4ForCausalLM", seed=42),  # tied, as published
     "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43),
-}
+    # Gemma 4's MoE block (enable_moe_block): the top 2 of 8 GeGLU experts beside every layer's dense MLP
+    "gemma4_moe": dict(
+        architecture="Gemma4ForCausalLM", seed=44, enable_moe_block=True, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+}  # fmt: skip
 FAMILY_ARCHITECTURES = (*FAMILY_CONFIGS, *FAMILY_MULTIMODAL)

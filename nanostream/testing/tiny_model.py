@@ -238,13 +238,12 @@ def make_tiny_model(
 ) -> Path:
     """Write a tiny random model directory at ``path`` and return its path.
 
-    ``architecture``: one of ``TINY_ARCHITECTURES``; ``config_overrides`` go to its transformers config
-    class (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off
-    unless given. ``init_std`` is larger than a real model's so that next-token distributions are peaked
-    and greedy choices are not near-ties; every parameter is drawn, the MoE routers and the norms too
-    (norms near 1), and DeepSeek's router's correction bias (a buffer in transformers), of N(0, 0.3^2): as wide as
-    the sigmoid scores' spread, so that it changes most tokens' choice. The same architecture, shape and seed give
-    the same weights.
+    ``architecture``: one of ``TINY_ARCHITECTURES``; ``config_overrides`` go to its transformers config class
+    (``rope_scaling={...}``, ``tie_word_embeddings=False``, ...). Mistral's sliding window is off unless given.
+    ``init_std`` is larger than a real model's so that next-token distributions are peaked and greedy choices are not
+    near-ties; every parameter is drawn, the MoE routers and the norms too (norms, Gemma 4's router's scales near 1),
+    and DeepSeek's router's correction bias (a buffer in transformers), of N(0, 0.3^2): as wide as the sigmoid scores'
+    spread, so that it changes most tokens' choice. The same architecture, shape and seed give the same weights.
     ``weights_dtype`` ("bfloat16"): the model is built and saved in it, never whole in float32 (an 8B
     shape then takes 16 GB of memory and of disk, not 32).
     ``expert_layout``: how an MoE model's experts are saved, ``per_expert`` (the published checkpoints'
@@ -278,6 +277,9 @@ def make_tiny_model(
             if name.endswith("norm.weight"):
                 one = 0.0 if centred and "linear_attn" not in name else 1.0  # the DeltaNet's gated norm: plain w
                 param.copy_(one + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router's scales: ~1 where they act
+                scale = param.shape[0] ** 0.5 if name.endswith("router.scale") else 1.0  # the input's: x H^-0.5 there
+                param.copy_(scale * (1.0 + 0.3 * torch.randn(param.shape, generator=gen)))
             elif name.endswith(("A_log", "dt_bias")):  # decay exp(-exp(A_log) softplus(a + dt_bias)) ~ 0.9 a token
                 param.copy_((-2.0 if name.endswith("A_log") else -1.0) + 0.5 * torch.randn(param.shape, generator=gen))
             else:

@@ -35,9 +35,20 @@ from nanostream.sampling_params import SamplingParams
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def kv_dtype(config: EngineConfig) -> torch.dtype:
-    """The KV pool's dtype for a resolved config: the model's (``kv_cache_dtype="auto"``) or float8 e4m3."""
-    return getattr(torch, config.dtype) if config.kv_cache_dtype == "auto" else FP8_KV_DTYPE
+def kv_dtype(config: EngineConfig, spec: DecoderSpec | None = None) -> torch.dtype:
+    """The KV pool's dtype for a resolved config: the model's (``kv_cache_dtype="auto"``) or float8 e4m3. With the
+    model's ``spec``, an FP8 pool it cannot read is refused here, at construction (``ValueError``): layers that read
+    another layer's pages (Gemma 4's KV-shared layers) do not read FP8 pages yet."""
+    if config.kv_cache_dtype == "auto":
+        return getattr(torch, config.dtype)
+    shared = [i for i, source in enumerate(spec.kv_sources if spec is not None else ()) if source is not None]
+    if shared:
+        raise ValueError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for {spec.architecture} with KV-shared layers "
+            f"(num_kv_shared_layers: layers {shared[0]}-{shared[-1]} read earlier layers' KV, which nanostream does "
+            "not read from an FP8 cache yet); use kv_cache_dtype='auto'"
+        )
+    return FP8_KV_DTYPE
 
 
 def allocate_kv_pool(

@@ -61,7 +61,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.kv_dtype = kv_dtype(config)  # the KV pool's: the model's, or float8 e4m3
+        self.kv_dtype = kv_dtype(config, spec)  # the KV pool's: the model's, or float8 e4m3
         self.block_size = config.kvcache_block_size
         self.spec = spec
         if config.batch_invariant and spec.latent_attention is not None:  # decode absorbed, prompt rows expanded

@@ -205,7 +205,7 @@ def agreed_config(config: EngineConfig, spec: DecoderSpec, local_rank: int) -> E
         dtype=getattr(torch, config.dtype),
         block_size=config.kvcache_block_size,
         head_dim=spec.head_dim,
-        kv_cache_dtype=kv_dtype(config),
+        kv_cache_dtype=kv_dtype(config, spec),  # (an FP8 pool the model cannot read: refused here)
     )
     return dataclasses.replace(config, device=device, attention_backend=backend.name)
 
