@@ -119,7 +119,8 @@ class StepStats:
 
 class StepFloor:
     """A step's floor: the time to read, once, at the device's measured copy bandwidth, the weights it
-    touches and the KV of its running sequences (of a sliding-window layer, at most the window of each).
+    touches and the KV of its running sequences (of a sliding-window layer, at most the window of each),
+    and to read and write back each running sequence's recurrent state (Gated DeltaNet, short convolutions).
     Weights: all but an untied embedding (a step reads a
     row of it per token), and of a mixture-of-experts layer only the experts its tokens can route to:
     E (1 - (1 - K/E)^T) of E for T tokens, as if each picked K experts uniformly. A prefill step is also
@@ -143,13 +144,14 @@ class StepFloor:
         # a sliding layer reads at most its window of a sequence's context: (window, its share of the KV)
         windows = [w for w in runner.spec.layer_windows if w is not None]
         self.window_share = [(w, 1 / runner.spec.num_layers) for w in windows]
+        self.state_bytes = runner.state_slot_bytes  # a sequence's state in every recurrent layer (0: none)
         self.bandwidth = copy_bandwidth()  # bytes/s, read + written
 
     def seconds(self, tokens: int, contexts: list[int]) -> float:
         """``tokens`` of the step; ``contexts``: each running sequence's tokens."""
         read = sum(contexts) * (1 - sum(share for _, share in self.window_share))
         read += sum(share * min(c, w) for w, share in self.window_share for c in contexts)
-        nbytes = self.dense + read * self.kv_per_token
+        nbytes = self.dense + read * self.kv_per_token + 2 * self.state_bytes * len(contexts)
         for k, m in self.experts:
             e = m.w13.shape[0]
             touched = e * (1 - (1 - k / e) ** tokens)
@@ -160,8 +162,9 @@ class StepFloor:
         experts = sum(
             m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size() for _, m in self.experts
         )
+        state = f"a recurrent state of {self.state_bytes / 2**20:.1f} MiB a sequence read and written, "
         return (
             f"floor: weights {self.dense / 1e9:.2f} GB dense + {experts / 1e9:.2f} GB of experts (the touched share), "
             f"KV {self.kv_per_token / 1024:.0f} KiB a context token (a sliding layer's share within its window), "
-            f"at {self.bandwidth / 1e12:.2f} TB/s"
+            f"{state if self.state_bytes else ''}at {self.bandwidth / 1e12:.2f} TB/s"
         )
