@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from helpers import API_KEY, engine_processes, run_in_thread, serve_http
 from openai.types import Completion, CompletionChoice
@@ -228,6 +229,20 @@ def test_required_and_named_tool_choice_give_calls_that_validate(api, model):
             final = stream.get_final_completion()
         assert calls_of(final.choices[0].message) == calls_of(message)
         assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_goes_before_a_response_format_and_a_bad_format_is_still_refused(api, model):
+    # An agent framework sends its output type as response_format on every turn, tool_choice "required" on the
+    # first: OpenAI's API takes both, and the reply is the call.
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": ["sunny", "rainy"]}}}
+    args = dict(model=model, messages=USER, tools=TOOLS, parallel_tool_calls=False, max_tokens=200, temperature=0)
+    whole = api.chat.completions.create(**args, tool_choice="required", response_format=fmt)
+    assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 1
+    answer = api.chat.completions.create(**args, tool_choice="none", response_format=fmt)
+    assert json.loads(answer.choices[0].message.content) in ("sunny", "rainy")
+    broken = {"type": "json_schema"}  # (no json_schema)
+    with pytest.raises(openai.BadRequestError, match="needs its json_schema"):
+        api.chat.completions.create(**args, tool_choice="required", response_format=broken)
 
 
 def test_a_scripted_tool_call_under_auto_is_parsed_streamed_and_not(api, http, model):

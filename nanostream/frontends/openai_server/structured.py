@@ -100,13 +100,16 @@ def tool_plan(body: ChatRequest, parser: type[ToolParser] | None) -> ToolPlan:
 
 
 def constraint_of(body: BaseRequest, plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
-    """The request's one constraint, or a 400 naming the second one."""
+    """The request's one constraint, or a 400 naming the second one. A forced tool call goes before
+    ``response_format``, as OpenAI's API takes the two: the reply is a call, and the format shapes a message
+    (an agent framework sends its output type with every turn, its tool choice "required" on the first)."""
+    forced, fmt = plan.constraint if plan else None, from_response_format(body)
     given = [
         (name, c)
         for name, c in (
-            ("response_format", from_response_format(body)),
+            ("response_format", None if forced is not None else fmt),
             ("structured_outputs", from_field(body)),
-            ("tool_choice", plan.constraint if plan else None),
+            ("tool_choice", forced),
         )
         if c is not None
     ]
