@@ -1,4 +1,4 @@
-"""The Qwen vision encoder against transformers' own, on tiny random Qwen3.5 and Qwen3-VL
+"""The Qwen vision encoder and M-RoPE positions against transformers' own, on tiny random Qwen3.5 and Qwen3-VL
 checkpoints saved by transformers (every encoder tensor randomised, norms included) and images prepared by
 transformers' image processor from the saved directory.
 
@@ -27,6 +27,9 @@ from nanostream.models.vision import (
     QwenVisionEncoder,
     QwenVisionSpec,
     load_vision_weights,
+    mrope_decode_positions,
+    mrope_positions,
+    mrope_positions_range,
 )
 
 IMAGE, VIDEO, START, END = 290, 291, 292, 293
@@ -147,3 +150,83 @@ def test_mismatched_inputs_and_checkpoints_are_refused(checkpoint, tmp_path):
     model.model.language_model.save_pretrained(tmp_path)  # a checkpoint with no vision tensors
     with pytest.raises(ModelLoadError, match="lacks"):
         load_vision_weights(encoder, tmp_path)
+
+
+# M-RoPE: prompts as the processor expands them, <start> <image>*n <end> amid text
+
+
+def _prompt(grids, texts, seed=0):
+    """Token ids of texts[0] <image 0> texts[1] <image 1> ... texts[-1], texts[i] random text tokens long."""
+    rng = np.random.default_rng(seed)
+    ids = []
+    for i, n in enumerate(texts):
+        ids += rng.integers(0, 280, n).tolist()
+        if i < len(grids):
+            t, h, w = grids[i]
+            ids += [START] + [IMAGE] * (t * h * w // 4) + [END]
+    return ids
+
+
+def _transformers_rope(model, ids, grids):
+    input_ids = torch.tensor([ids])
+    types = (input_ids == IMAGE).int()
+    grid_thw = torch.tensor(grids) if grids else None
+    positions, delta = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grid_thw)
+    return positions[:, 0], int(delta)
+
+
+PROMPTS = {
+    "text only": ([], [9]),
+    "one image": ([(1, 6, 8)], [5, 7]),
+    "image first and last": ([(1, 12, 8)], [0, 0]),
+    "two images": ([(1, 4, 4), (1, 6, 12)], [3, 4, 6]),
+    "two back to back, tall": ([(1, 16, 4), (1, 4, 4)], [2, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_mrope_positions_equal_get_rope_index(checkpoint, name):
+    _, model = checkpoint
+    grids, texts = PROMPTS[name]
+    ids = _prompt(grids, texts)
+    positions, delta = mrope_positions(ids, grids, image_token_id=IMAGE, spatial_merge_size=2)
+    want_positions, want_delta = _transformers_rope(model, ids, grids)
+    assert torch.equal(positions, want_positions)
+    assert delta == want_delta
+    assert (delta < 0) == bool(grids)  # an image's tokens take fewer positions than tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+@pytest.mark.parametrize("name", PROMPTS)
+def test_mrope_chunks_and_decode_match_the_whole(checkpoint, name, chunk):
+    """Prefill in chunks and 6 decoded tokens after it: the positions transformers gives the whole sequence
+    (prompt and generated tokens), and those of its decode path (cache length + delta)."""
+    _, model = checkpoint
+    grids, texts = PROMPTS[name]
+    prompt = _prompt(grids, texts)
+    full = [*prompt, 7, 8, 9, 10, 11, 12]
+    want, _ = _transformers_rope(model, full, grids)
+    positions, delta = mrope_positions(prompt, grids, image_token_id=IMAGE, spatial_merge_size=2)
+    chunks = [mrope_positions_range(positions, delta, s, min(s + chunk, len(full))) for s in range(0, len(full), chunk)]
+    assert torch.equal(torch.cat(chunks, dim=1), want)
+    decode = mrope_decode_positions(torch.arange(len(prompt), len(full)), torch.full((6,), delta))
+    assert torch.equal(decode, want[:, len(prompt) :])
+    # transformers' own decode path: the first generated token at cache length + the delta of the prompt
+    _, prompt_delta = _transformers_rope(model, prompt, grids)
+    model.model.rope_deltas = torch.tensor([[prompt_delta]])
+    cache = type("Cache", (), {"get_seq_length": lambda self: len(prompt)})()
+    try:
+        step = model.model.compute_3d_position_ids(None, torch.zeros(1, 1, 48), cache=cache)
+    finally:
+        model.model.rope_deltas = None
+    assert torch.equal(step[:, 0], decode[:, :1])
+
+
+def test_mrope_refuses_placeholders_that_do_not_match_grids():
+    ids = _prompt([(1, 4, 4)], [2, 2])
+    with pytest.raises(ValueError, match="more image placeholder"):
+        mrope_positions(ids, [], image_token_id=IMAGE, spatial_merge_size=2)
+    with pytest.raises(ValueError, match="image grids were given"):
+        mrope_positions(ids, [(1, 4, 4), (1, 4, 4)], image_token_id=IMAGE, spatial_merge_size=2)
+    with pytest.raises(ValueError, match="consecutive placeholder"):
+        mrope_positions(ids, [(1, 6, 4)], image_token_id=IMAGE, spatial_merge_size=2)
