@@ -1,0 +1,22 @@
+"""Vision encoders of vision-language checkpoints and the positions their image tokens take in the prompt.
+
+- ``qwen_vit``: the Qwen3-VL / Qwen3.5 vision transformer (``QwenVisionEncoder``), its config reader
+  (``qwen_vit_spec``) and its per-image tables (``qwen_vit_grid``);
+- ``weights``: loading an encoder from a checkpoint's ``model.visual.*`` tensors;
+- ``mrope``: Qwen's multimodal rotary positions (temporal, height, width) for prompts with images.
+"""
+
+from nanostream.models.vision.mrope import mrope_decode_positions, mrope_positions, mrope_positions_range
+from nanostream.models.vision.qwen_vit import QwenVisionEncoder, VisionOutput
+from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec
+from nanostream.models.vision.weights import load_vision_weights
+
+__all__ = [
+    "QwenVisionEncoder",
+    "QwenVisionSpec",
+    "VisionOutput",
+    "load_vision_weights",
+    "mrope_decode_positions",
+    "mrope_positions",
+    "mrope_positions_range",
+]
