@@ -189,7 +189,7 @@ class Attention(nn.Module):
         return PagedKV(self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # positions: [T], qkv: [T, (Hq + 2 Hkv) D] (with output_gate: [T, (2 Hq + 2 Hkv) D])
+        # positions: [T] (or M-RoPE's [3, T]), qkv: [T, (Hq + 2 Hkv) D] (with output_gate: [T, (2 Hq + 2 Hkv) D])
         if not self.output_gate:
             return self._attend(positions, qkv, ctx)
         q_gate, kv = qkv.split([2 * self.split_sizes[0], 2 * self.split_sizes[1]], -1)
@@ -209,12 +209,13 @@ class Attention(nn.Module):
         if self.prologue is not None and not self.qk_norm_after_rotary:
             per_head = self.qk_norm and not self.qk_norm_whole
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if per_head else (None, None, 0.0)
+            rows = positions
             if self.rotary is None:  # an identity table whose rows are one row (stride 0): any position reads it
                 cos, sin = self._cos.expand(2, -1), self._sin.expand(2, -1)
-            else:
-                cos, sin = self.rotary.cos, self.rotary.sin
+            else:  # M-RoPE's [3, T] positions: tables gathered for these tokens, read at rows 0..T-1
+                rows, cos, sin = self.rotary.tables_at(positions)
             q = self.prologue(
-                qkv, positions, cos, sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
+                qkv, rows, cos, sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
                 self.num_heads, self.num_kv_heads, weight_offset=self.q_norm.weight_offset if per_head else None,
                 **scales,
             )  # fmt: skip

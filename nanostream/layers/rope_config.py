@@ -34,16 +34,20 @@ def rope_spec(
     model: str,
     interleaved: bool = False,
     partial_rotary: bool = False,
+    mrope: tuple[int, int, int] | None = None,
 ) -> RopeSpec:
     """The ``RopeSpec`` of one rope-parameters dict (transformers 5's ``config.rope_parameters``; Gemma 3 has one
     per layer type, the caller passes one). ``allowed``: the rope types the family may declare; ``model`` names it
     in errors. ``interleaved``: the family rotates pairs (2i, 2i + 1). ``partial_rotary``: the family's rotation
-    honours ``partial_rotary_factor`` (Phi-3, GLM-4); elsewhere one other than 1 is refused. Raises
-    ``ModelLoadError`` naming what nanostream cannot run exactly: another rope type, a missing key, odd dims.
+    honours ``partial_rotary_factor`` (Phi-3, GLM-4); elsewhere one other than 1 is refused. ``mrope``: the family
+    rotates by M-RoPE (Qwen3.5), over the params' ``mrope_section`` or, where they have none, this one (its default
+    in transformers; ``mrope_interleaved`` is not read: transformers interleaves these families' pairs always).
+    Raises ``ModelLoadError`` naming what nanostream cannot run exactly: another rope type, a missing key, odd dims.
 
     >>> rope_spec({"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}, head_dim=256,
-    ...           max_position_embeddings=131072, allowed=("default", "linear"), model="Gemma3ForCausalLM")
-    RopeSpec(theta=1000000.0, scaling=LinearRopeScaling(factor=8.0), rotary_dim=None, interleaved=False)"""
+    ...           max_position_embeddings=131072, allowed=("default", "linear"), model="Gemma3ForCausalLM").scaling
+    LinearRopeScaling(factor=8.0)"""
+    section = None if mrope is None else _mrope_section(params.get("mrope_section", mrope), model)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in allowed or rope_type not in ROPE_TYPES:
         runs = ", ".join(t for t in allowed if t in ROPE_TYPES)
@@ -54,7 +58,7 @@ def rope_spec(
         pairs = int(proportion * head_dim // 2)  # as transformers rounds it
         if head_dim % 2 or not 0 <= pairs <= head_dim // 2:
             raise ModelLoadError(f"{model} with partial_rotary_factor={proportion} over head_dim {head_dim}")
-        return RopeSpec(theta, ProportionalRopeScaling(factor, pairs), None, interleaved)
+        return RopeSpec(theta, ProportionalRopeScaling(factor, pairs), None, interleaved, section)
     partial = params.get("partial_rotary_factor")
     rotary_dim = head_dim if partial is None else int(head_dim * partial)
     if rotary_dim != head_dim and not partial_rotary:
@@ -71,12 +75,19 @@ def rope_spec(
             )
         theta, rope_type = theta * float(alpha) ** (head_dim / (head_dim - 2)), "default"
     if rope_type == "default":
-        return RopeSpec(theta, None, None if rotary_dim == head_dim else rotary_dim, interleaved)
+        return RopeSpec(theta, None, None if rotary_dim == head_dim else rotary_dim, interleaved, section)
     original = params.get("original_max_position_embeddings", max_position_embeddings)
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ModelLoadError(f"{model} with original_max_position_embeddings={original!r}: it must be a positive int")
     scaling = _READERS[rope_type](params, rotary_dim, original, max_position_embeddings, model)
-    return RopeSpec(theta, scaling, None if rotary_dim == head_dim else rotary_dim, interleaved)
+    return RopeSpec(theta, scaling, None if rotary_dim == head_dim else rotary_dim, interleaved, section)
+
+
+def _mrope_section(section: Any, model: str) -> tuple[int, int, int]:
+    ints = isinstance(section, (list, tuple)) and all(type(n) is int and n >= 0 for n in section)
+    if not ints or len(section) != 3:
+        raise ModelLoadError(f"{model}'s mrope_section {section!r}: it must be three non-negative ints (t, h, w)")
+    return tuple(section)
 
 
 def _need(params: dict[str, Any], key: str, rope_type: str, model: str) -> Any:

@@ -20,6 +20,11 @@ after loading leaves q·k, so attention, unchanged: the permuted model rotates i
 
 The tables are bit-identical to transformers' (5.24) cos/sin, attention factor folded in as it folds it: each
 step is the same float32 op on the same values as ``transformers.modeling_rope_utils``.
+
+M-RoPE (Qwen3.5, Qwen3-VL: ``RopeSpec.mrope_section``) gives a token three positions, [3, T] (temporal, height,
+width; models/vision/mrope.py), and turns each pair by one of them: the rotary then reads, for token t and pair
+j, the table's row ``positions[axis(j), t]`` (``tables_at``). A text token's three positions are equal, so
+[T] positions, the tables as they are, rotate it alike; a model with M-RoPE takes either.
 """
 
 from __future__ import annotations
@@ -50,12 +55,15 @@ class RopeSpec:
     """How a model rotates: ``RopeSpec(1e6)`` is plain RoPE over the whole head; ``rope_spec`` reads a config's.
 
     ``rotary_dim``: the dims that rotate, the head's first ones (partial_rotary_factor × head_dim); None: all.
-    ``interleaved``: the model rotates pairs (2i, 2i + 1) (GLM-4), not (i, i + rotary_dim/2)."""
+    ``interleaved``: the model rotates pairs (2i, 2i + 1) (GLM-4), not (i, i + rotary_dim/2).
+    ``mrope_section``: M-RoPE's (t, h, w) split of the pairs, interleaved as Qwen3.5 and Qwen3-VL split them
+    (``mrope_axes``); None: one position a token."""
 
     theta: float
     scaling: RopeScaling | None = None
     rotary_dim: int | None = None
     interleaved: bool = False
+    mrope_section: tuple[int, int, int] | None = None
 
     @property
     def rope_type(self) -> str:
@@ -76,6 +84,20 @@ class RopeSpec:
         first, second = (2 * pairs, 2 * pairs + 1) if self.interleaved else (pairs, pairs + rotary_dim // 2)
         passed = torch.arange(rotary_dim, head_dim).view(2, -1)
         return torch.cat((first, passed[0], second, passed[1]))
+
+    def mrope_axes(self, head_dim: int) -> torch.Tensor | None:
+        """Which of a token's three M-RoPE positions (0 temporal, 1 height, 2 width) each table column turns by:
+        LongTensor [head_dim/2]; None without M-RoPE. Pairs interleave t, h, w, t, h, w, ... as transformers'
+        Qwen3.5 / Qwen3-VL rotary does: pair j takes height where j % 3 == 1 and j < 3 * section[1], width where
+        j % 3 == 2 and j < 3 * section[2], temporal elsewhere (and the pass-through columns, which turn by none)."""
+        if self.mrope_section is None:
+            return None
+        j = torch.arange(head_dim // 2)
+        _, height, width = self.mrope_section
+        axes = torch.zeros_like(j)
+        axes[(j % 3 == 1) & (j < 3 * height)] = 1
+        axes[(j % 3 == 2) & (j < 3 * width)] = 2
+        return axes
 
     def tables(self, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [max_position, head_dim/2] float32, in the order of ``head_order``."""
@@ -127,8 +149,29 @@ class RotaryEmbedding(nn.Module):
         cos, sin = spec.tables(head_dim, max_position)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("mrope_axes", spec.mrope_axes(head_dim), persistent=False)  # [D/2] long, or None
         self.kernel = kernel
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        return self.kernel(positions, q, k, self.cos, self.sin)
+        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T], or [3, T] with M-RoPE
+        if positions.dim() == 1:
+            return self.kernel(positions, q, k, self.cos, self.sin)
+        rows, cos, sin = self.tables_at(positions)
+        return self.kernel(rows, q, k, cos, sin)
+
+    def tables_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows [T], cos, sin): the tables and the row of them each token reads, as ``kernel`` and the fused
+        attention prologue take them. [T] positions read the whole tables; M-RoPE's [3, T] read tables gathered for
+        these T tokens ([T, D/2] each, row t token t's): column j of row t is the whole table's at row
+        ``positions[axis(j), t]``, the same float32 values transformers computes for that angle."""
+        if positions.dim() == 1:
+            return positions, self.cos, self.sin
+        if self.mrope_axes is None or positions.shape[0] != 3:
+            raise ValueError(
+                f"positions of shape {tuple(positions.shape)}: this rotary takes [T] positions"
+                + ("" if self.mrope_axes is None else " or M-RoPE's [3, T] (temporal, height, width)")
+            )
+        per_pair = positions[self.mrope_axes].T  # [T, D/2]: the position pair j of token t turns by
+        columns = torch.arange(per_pair.shape[1], device=positions.device)
+        rows = torch.arange(per_pair.shape[0], device=positions.device)
+        return rows, self.cos[per_pair, columns], self.sin[per_pair, columns]

@@ -86,9 +86,8 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 # Qwen3-Next and Qwen3.5 / Qwen3.6: three Gated DeltaNet layers to one of gated attention, whose (1 + w) norms
 # (the DeltaNet's gated norm has a plain weight) and partial rotary (a quarter of each head) they share. Qwen3.5's
-# M-RoPE (rope_parameters' mrope_section, mrope_interleaved) gives each frequency the text, height or width
-# position of a token; for text those three are one position, so it is the 1-D rotary embedding, whatever its
-# scaling: nanostream runs text (its multimodal checkpoints' language model), the keys are accepted and not read.
+# M-RoPE (``mrope``) gives each frequency a token's temporal, height or width position; a text token's three are
+# one, so [T] positions rotate text as the 1-D embedding does, and [3, T] ones place an image's tokens.
 _HYBRID = dict(
     qk_norm=True,
     attention_bias_key="attention_bias",
@@ -105,9 +104,12 @@ ARCHITECTURES |= {
         experts=Experts(shared_expert=True),
         unused_tensors=("mtp.",),
     ),
-    "Qwen3_5ForCausalLM": Architecture(**_HYBRID, gated_deltanet=GatedDeltaNetLayers(), unused_tensors=_QWEN3_5_UNUSED),
+    "Qwen3_5ForCausalLM": Architecture(
+        **_HYBRID, mrope=(11, 11, 10), gated_deltanet=GatedDeltaNetLayers(), unused_tensors=_QWEN3_5_UNUSED
+    ),
     "Qwen3_5MoeForCausalLM": Architecture(
         **_HYBRID,
+        mrope=(11, 11, 10),
         gated_deltanet=GatedDeltaNetLayers(),
         experts=Experts(shared_expert=True, renormalize=True, sparse_layers=False),  # every layer's, no key for either
         unused_tensors=_QWEN3_5_UNUSED,

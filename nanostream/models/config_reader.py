@@ -58,6 +58,7 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
             model=name,
             interleaved=arch.interleaved_rotary,
             partial_rotary=arch.partial_rotary,
+            mrope=arch.mrope,
         )
 
     if "full_attention" in params:  # Gemma 3: a rope per layer kind

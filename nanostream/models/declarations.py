@@ -52,6 +52,9 @@ class Architecture:
     """It honours partial_rotary_factor (Phi-3, GLM-4); elsewhere a factor other than 1 is refused."""
     interleaved_rotary: bool = False
     """It rotates pairs of neighbouring dims (GLM-4), not the two halves of a head."""
+    mrope: tuple[int, int, int] | None = None
+    """It rotates by M-RoPE, three positions a token (layers/rotary.py), over its rope parameters' mrope_section or,
+    where they have none, this (t, h, w) split of the pairs (Qwen3.5's (11, 11, 10), as transformers defaults it)."""
     sliding_window_switch: str | None = None
     """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
     experts: Experts | None = None
