@@ -23,6 +23,7 @@ from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTUR
 from nanostream.models.config_reader import decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM
 from nanostream.models.loader import load_dummy_weights, load_weights
+from nanostream.models.placeholder_embeds import PlaceholderEmbeds
 from nanostream.models.quantization import keep_fp8_weights
 from nanostream.models.spec import DecoderSpec
 
@@ -31,6 +32,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DecoderForCausalLM",
     "DecoderSpec",
+    "PlaceholderEmbeds",
     "decoder_spec",
     "load_model",
 ]

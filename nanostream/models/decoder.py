@@ -32,6 +32,7 @@ from nanostream.layers.per_layer_inputs import PerLayerEmbedding
 from nanostream.layers.rotary import RotaryEmbedding, permute_heads
 from nanostream.layers.vocab_parallel import lm_head, vocab_embedding
 from nanostream.models.decoder_layer import DecoderLayer
+from nanostream.models.placeholder_embeds import PlaceholderEmbeds
 from nanostream.models.sharding import DecoderShard, shard_decoder
 from nanostream.models.spec import DecoderSpec
 
@@ -80,8 +81,14 @@ class DecoderModel(nn.Module):
     # The pieces do not read the step's attention metadata, so the prefill CUDA graphs capture them alone
     # (engine/runner/prefill_graphs.py) and run the attention between them.
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+        embeds: PlaceholderEmbeds | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        # input_ids: [T]; positions: [T], or [3, T] where the rotary takes M-RoPE's; embeds: rows over some tokens'
         x, residual = self.embed(input_ids), None
+        if embeds is not None:
+            x = embeds.write_over(x)
         if self.per_layer_embedding is None:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, ctx)
@@ -209,8 +216,14 @@ class DecoderForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+        embeds: PlaceholderEmbeds | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Hidden states [T, hidden] of the step's T tokens. ``positions``: [T], or M-RoPE's [3, T] for a model whose
+        rope declares it (Qwen3.5); ``embeds``: rows that replace some tokens' embeddings (an image's, at its
+        placeholders: models/placeholder_embeds.py)."""
+        return self.model(input_ids, positions, ctx, embeds)
 
     def cache_specs(self) -> list[CacheSpec]:
         """What each layer keeps between steps, in layer order, for this rank's shard (layers/cache_spec.py):
