@@ -114,6 +114,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
                 states=self.layout.has_state,
+                num_groups=len(self.layout.groups),
             )
         if graphs and tp.size == 1 and not self.layout.has_state and self.model.model.piecewise:  # (host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
@@ -189,7 +190,7 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk], prev: InFlight | None = None) -> StepInputs:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples. With
         recurrent layers, their slots too, and the slots zeroed or restored for the step (done here)."""
-        inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads)
+        inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads, len(self.layout.groups))
         if not self.layout.has_state:
             return inputs
         states = pack_states(chunks, self.device, self.uploads)
