@@ -94,8 +94,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.num_state_snapshots = 0  # (the worst step's pool, if it runs, holds the live slots alone)
         self.num_kv_blocks, self.num_state_snapshots = plan_cache(
-            config, self.kv_block_bytes, self.state_slot_bytes, self.device, self._cuda_kv_budget
-        )
+            config, self.kv_block_bytes, self.state_slot_bytes, self.device, self._cuda_kv_budget,
+            len(self.layout.groups),
+        )  # fmt: skip
         if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
             self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
         if tp.size > 1:  # every rank's pool has as many blocks and slots: the scheduler's ids index them all
