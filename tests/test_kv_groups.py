@@ -15,6 +15,8 @@ from test_window_blocks import advance, held, make_seq
 
 from nanostream import LLM
 from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.runner.cache_pool import CacheLayout, allocate_caches
+from nanostream.layers.cache_spec import PagedKV, SharedKV
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 BLOCK, REACH = 8, 16
@@ -89,6 +91,31 @@ def test_a_step_packs_each_groups_own_slots_and_tables():
         meta, table = inputs.meta.group(g), seq.block_tables[g]
         assert meta.block_tables[0].tolist() == table
         assert meta.slot_mapping.tolist() == [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(40, 60)]
+
+
+def test_scouts_layers_are_four_groups_of_twelve_whose_layer_j_shares_slot_j():
+    # every fourth layer global, the rest chunked (8192): groups of the fewest of one reach, full attention first
+    specs = [PagedKV(2, 16, None if (i + 1) % 4 == 0 else 8192) for i in range(48)]
+    layout = CacheLayout(specs)
+    assert layout.group_reaches == (None, 8192, 8192, 8192) and layout.slots == 12
+    assert layout.groups[0] == list(range(3, 48, 4)) and layout.groups[1] == [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14]
+    assert layout.kv_block_bytes(4, torch.float32) == 2 * 12 * 2 * 16 * 4 * 4  # one group's layers a block
+    caches = allocate_caches(layout, num_blocks=3, block_size=4, kv_dtype=torch.float32, num_slots=0,
+                             model_dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    assert [caches[i].group for i in (3, 0, 14, 16, 47)] == [0, 1, 1, 2, 0]
+    assert caches[3].k.data_ptr() == caches[0].k.data_ptr()  # slot 0: block b is group 0's or group 1's, not both
+    assert "48 attention layers in 4 groups of 12" in layout.describe(3, 4, 0, 0, 0)
+
+
+def test_gemma3_27bs_layers_are_a_full_group_and_six_sliding_ones_and_other_layouts_one_group():
+    specs = [PagedKV(2, 16, None if (i + 1) % 6 == 0 else 1024) for i in range(62)]  # 10 full, 52 sliding
+    layout = CacheLayout(specs)
+    assert layout.group_reaches == (None,) + (1024,) * 6 and [len(g) for g in layout.groups] == [10] * 6 + [2]
+    # two KV shapes, or a layer reading another's KV: one group, which keeps every block while a layer is full
+    assert CacheLayout([PagedKV(2, 16, 24), PagedKV(1, 32), PagedKV(2, 16, 24)]).group_reaches == (None,)
+    assert CacheLayout([PagedKV(2, 16, 24), PagedKV(2, 16, 32), SharedKV(0)]).group_reaches == (None,)
+    assert CacheLayout([PagedKV(2, 16, 24), PagedKV(2, 16, 32)]).group_reaches == (24, 32)
+    assert CacheLayout([PagedKV(2, 16, 24), PagedKV(2, 16, 24)]).group_reaches == (24,)
 
 
 def _engine(path, blocks: int, **options) -> LLM:
