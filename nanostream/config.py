@@ -44,7 +44,8 @@ class EngineConfig:
     """Bytes of KV cache (per rank, with tensor parallelism). Overrides gpu_memory_utilization; on CPU the
     default is 1 GiB."""
     num_kvcache_blocks: int | None = None
-    """Exact number of KV blocks; overrides both memory settings."""
+    """Exact number of KV blocks; overrides both memory settings. (A model whose sliding or chunked layers sit beside
+    full ones has a block table per KV group of its layers: a block then holds one group's layers.)"""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes that earlier requests computed."""
     state_snapshot_interval: int | None = None

@@ -87,9 +87,10 @@ class LLMEngine:
         self.pooling = read_pooling(self.model_path, config.runner)  # None: no embeddings (a generation model)
         # recurrent layers: a live state slot per running sequence, and snapshots for the prefix cache
         states = StateSlots.of_model(config, self.runner.num_state_snapshots, self.runner.state_slot_bytes)
-        self.block_manager = BlockManager(
+        self.block_manager = BlockManager(  # a block table per KV group, each giving blocks back by its reach
             self.runner.num_kv_blocks, config.kvcache_block_size, config.enable_prefix_caching, states,
-            config.state_snapshot_interval, self.runner.spec.kv_window, config.max_num_batched_tokens,
+            config.state_snapshot_interval, max_chunk=config.max_num_batched_tokens,
+            groups=self.runner.layout.group_reaches,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,

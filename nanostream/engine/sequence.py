@@ -55,8 +55,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        self.block_table: list[int] = []
-        self.released_blocks = 0  # the leading blocks given back, behind every sliding window (ids stale, unread)
+        # One block table per KV group (engine/block_manager.py; most models have one), all as long; one table
+        # alone (a warm-up's, a test's) serves every group. ``released``: per group, the leading blocks given back,
+        # behind every window of its layers (ids stale, unread).
+        self.block_tables: list[list[int]] = [[]]
+        self.released: list[int] = [0]
         self.block_hashes: list[int] = []  # chained hashes of the leading full, computed blocks
         self.logprobs: list[dict[int, float]] = []
         self.admitted = False
@@ -82,6 +85,19 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """KV group 0's block table (a full-attention group's, where the model has one)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables, self.released = [table], [0]
+
+    @property
+    def released_blocks(self) -> int:
+        return self.released[0]
 
     @property
     def num_tokens(self) -> int:

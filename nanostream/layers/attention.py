@@ -186,7 +186,8 @@ class Attention(nn.Module):
 
     def cache_spec(self) -> PagedKV:
         """What the layer keeps per token: K and V of its (this rank's) KV heads."""
-        return PagedKV(self.num_kv_heads, self.head_dim)
+        reaches = [r for r in (self.window, self._options.get("chunk")) if r is not None]
+        return PagedKV(self.num_kv_heads, self.head_dim, min(reaches) if reaches else None)
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # positions: [T] (or M-RoPE's [3, T]), qkv: [T, (Hq + 2 Hkv) D] (with output_gate: [T, (2 Hq + 2 Hkv) D])
@@ -199,6 +200,7 @@ class Attention(nn.Module):
 
     def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.attn.group(cache.group)  # the block tables of the layer's KV group
         options = self._options if self.sinks is None else {**self._options, "sinks": self.sinks.weight}
         scales = {}  # an FP8 pool's K and V scales, for the store and the attention
         if cache.k.dtype == FP8_KV_DTYPE:
@@ -215,13 +217,13 @@ class Attention(nn.Module):
             else:  # M-RoPE's [3, T] positions: tables gathered for these tokens, read at rows 0..T-1
                 rows, cos, sin = self.rotary.tables_at(positions)
             q = self.prologue(
-                qkv, rows, cos, sin, *norms, cache.k, cache.v, ctx.attn.slot_mapping,
+                qkv, rows, cos, sin, *norms, cache.k, cache.v, meta.slot_mapping,
                 self.num_heads, self.num_kv_heads, weight_offset=self.q_norm.weight_offset if per_head else None,
                 **scales,
             )  # fmt: skip
             if self.temperature is not None:
                 q = self.temperature(positions, q)
-            return self.backend.attend(q, cache, ctx.attn, self.scale, **options, **scales).flatten(1)
+            return self.backend.attend(q, cache, meta, self.scale, **options, **scales).flatten(1)
         q, k, v = qkv.split(self.split_sizes, -1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -235,4 +237,4 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.temperature is not None:
             q = self.temperature(positions, q)
-        return self.backend.forward(q, k, v, cache, ctx.attn, self.scale, **options, **scales).flatten(1)
+        return self.backend.forward(q, k, v, cache, meta, self.scale, **options, **scales).flatten(1)

@@ -39,6 +39,14 @@ class AttentionMetadata:
     max_seqlen_k: int
     cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
     seq_lens_host: list[int]
+    kv_groups: tuple[AttentionMetadata, ...] = ()
+    """A model whose layers give KV blocks back by different rules has a block table per KV group
+    (engine/block_manager.py): groups 1, 2, ...'s metadata, each with its own ``slot_mapping`` and ``block_tables``
+    and this one's other fields. This one is group 0's."""
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata of KV group ``g`` (a layer's ``KVCache.group``)."""
+        return self if g == 0 else self.kv_groups[g - 1]
 
     @property
     def is_decode(self) -> bool:
@@ -88,6 +96,7 @@ class KVCache:
 
     k: torch.Tensor
     v: torch.Tensor
+    group: int = 0  # its KV group: whose block tables address it (``AttentionMetadata.group``)
 
     @property
     def block_size(self) -> int:

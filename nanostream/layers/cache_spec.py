@@ -30,10 +30,13 @@ import torch
 
 @dataclass(frozen=True)
 class PagedKV:
-    """A softmax-attention layer's cache: K and V of ``num_kv_heads`` heads (this rank's) of ``head_dim`` a token."""
+    """A softmax-attention layer's cache: K and V of ``num_kv_heads`` heads (this rank's) of ``head_dim`` a token.
+    ``reach``: how many of its last tokens a query reads (its sliding window or attention chunk; None: all), which
+    says when a block goes back to the pool (engine/block_manager.py's KV groups)."""
 
     num_kv_heads: int
     head_dim: int
+    reach: int | None = None
 
 
 @dataclass(frozen=True)

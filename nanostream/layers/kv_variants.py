@@ -63,4 +63,4 @@ class SharedKVAttention(Attention):
         options = self._options if self.sinks is None else {**self._options, "sinks": self.sinks.weight}
         if cache.k.dtype == FP8_KV_DTYPE:  # the pages as the source stored them: its scales
             raise ValueError("an FP8 KV cache with KV-shared layers is not supported yet; use kv_cache_dtype='auto'")
-        return self.backend.attend(q, cache, ctx.attn, self.scale, **options).flatten(1)
+        return self.backend.attend(q, cache, ctx.attn.group(cache.group), self.scale, **options).flatten(1)

@@ -60,6 +60,30 @@ class CacheLayout:
         if len(widths) > 1:
             raise ValueError(f"latent attention layers of different widths {sorted(widths)} in one pool")
         self.latent_width = widths.pop() if widths else None
+        self.groups, self.group_reaches = self._group_layers()
+        """The KV groups (a block table each: engine/block_manager.py): their attention layers, and the reach
+        (window or chunk; None: full attention) by which each gives its blocks back."""
+
+    def _group_layers(self) -> tuple[list[list[int]], tuple[int | None, ...]]:
+        """The attention layers by the reach that gives their blocks back, each reach's split into groups of at most
+        ``slots`` layers (the fewest of any reach), so that every group's block is as large: layer j of each group
+        keeps its K and V in slot j of the pool, and a block id names one group's slots. Full attention first (group
+        0). One group of every layer (its reach the longest, if all have one) where there is one reach, or layers
+        of several shapes, latent or KV-sharing layers."""
+        by_reach: dict[int | None, list[int]] = {}
+        for i in self.paged:
+            by_reach.setdefault(self.specs[i].reach, []).append(i)
+        if len(by_reach) < 2 or len(self.kv_groups) > 1 or self.shared or self.latent:
+            whole = not by_reach or None in by_reach or self.shared or self.latent
+            return [self.paged], (None if whole else max(by_reach),)
+        self.slots = min(len(layers) for layers in by_reach.values())
+        groups, reaches = [], []
+        for reach in sorted(by_reach, key=lambda r: -1 if r is None else r):
+            layers = by_reach[reach]
+            for start in range(0, len(layers), self.slots):
+                groups.append(layers[start : start + self.slots])
+                reaches.append(reach)
+        return groups, tuple(reaches)
 
     @property
     def has_state(self) -> bool:
@@ -67,7 +91,10 @@ class CacheLayout:
 
     def kv_block_bytes(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one block: K and V of ``block_size`` tokens in every attention layer, and their latent entries in
-        every latent attention layer."""
+        every latent attention layer; with several KV groups, K and V of one group's ``slots`` layers."""
+        if len(self.groups) > 1:
+            ((hkv, d),) = self.kv_groups
+            return 2 * self.slots * hkv * d * block_size * kv_dtype.itemsize
         kv = sum(2 * len(layers) * hkv * d for (hkv, d), layers in self.kv_groups.items())
         latent = 0
         if self.latent_width is not None:
@@ -83,6 +110,10 @@ class CacheLayout:
         if self.latent:
             layers.append(_count(len(self.latent), "latent attention layer"))
         kv = f"{num_blocks:,} KV blocks of {block_size} tokens ({', '.join(layers) or 'no attention layer'})"
+        if len(self.groups) > 1:  # "(4 attention layers in 4 groups of 1, full or reading back 32 tokens)"
+            kinds = dict.fromkeys(self.group_reaches)
+            reaches = " or ".join(f"reading back {r} tokens" if r else "full" for r in kinds)
+            kv = f"{kv[:-1]} in {len(self.groups)} groups of {self.slots}, {reaches})"
         if not self.recurrent:
             return kv
         return (
@@ -108,7 +139,13 @@ def allocate_caches(
     """Zeroed pools: the KV blocks of the attention layers (the latent entries of the latent ones) and ``num_slots``
     state slots of the recurrent ones; each layer's views, in layer order."""
     caches: list[KVCache | LatentCache | StateCache | None] = [None] * len(layout.specs)
-    for (hkv, d), layers in layout.kv_groups.items():
+    if len(layout.groups) > 1:  # one shape: layer j of every group in slot j
+        ((hkv, d),) = layout.kv_groups
+        views = kv_pool_views(layout.slots, num_blocks, block_size, hkv, d, kv_dtype, device)
+        for g, layers in enumerate(layout.groups):
+            for i, view in zip(layers, views, strict=False):
+                caches[i] = KVCache(view.k, view.v, g)
+    for (hkv, d), layers in layout.kv_groups.items() if len(layout.groups) == 1 else ():
         views = kv_pool_views(len(layers), num_blocks, block_size, hkv, d, kv_dtype, device)
         for i, view in zip(layers, views, strict=True):
             caches[i] = view

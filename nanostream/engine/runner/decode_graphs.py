@@ -4,9 +4,9 @@ A decode step launches hundreds of small kernels (28 layers x ~15 for a 0.6B mod
 captured graph removes their launch gaps. Every batch size up to ``max_num_seqs`` maps to the smallest
 bucket that holds it (whatever ``max_num_seqs`` is); padding rows store their K/V nowhere (slot -1)
 and attend to one token. All graphs share one memory pool and one set of static input buffers, whose
-block-table width covers ``max_model_len``. A model with recurrent layers (``states``) takes each row's state
-slot as one more input; padding rows have slot -1 and touch no state. A step's snapshots are the caller's to copy
-after the replay (``StateMetadata.decode_copies``).
+block-table width covers ``max_model_len`` (a slot mapping and block tables per KV group). A model with
+recurrent layers (``states``) takes each row's state slot as one more input; padding rows have slot -1 and
+touch no state. A step's snapshots are the caller's to copy after the replay (``StateMetadata.decode_copies``).
 """
 
 from __future__ import annotations
@@ -40,18 +40,20 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         states: bool = False,
+        num_groups: int = 1,
     ) -> None:
         """``forward(input_ids, positions, meta, states)`` -> hidden states [B, hidden]: the model, graph-safe;
-        ``states``: the model keeps recurrent states (its forward gets a ``StateMetadata``)."""
+        ``states``: the model keeps recurrent states (its forward gets a ``StateMetadata``); ``num_groups``: its KV
+        groups (a slot mapping and block tables each: ``AttentionMetadata.kv_groups``)."""
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         n, width = max_num_seqs, -(-max_model_len // block_size)
         i32, i64 = torch.int32, torch.int64
         self.input_ids = torch.zeros(n, dtype=i64, device=device)
         self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
+        self.slot_mapping = torch.full((num_groups, n), -1, dtype=i64, device=device)  # [G, n]
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
-        self.block_tables = torch.zeros(n, width, dtype=i32, device=device)
+        self.block_tables = torch.zeros(num_groups, n, width, dtype=i32, device=device)  # [G, n, width]
         self.cu_seqlens_q = torch.arange(n + 1, dtype=i32, device=device)
         self.state_slots = torch.full((n,), -1, dtype=i64, device=device) if states else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -68,16 +70,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         log.info("captured %d decode CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, group: int = 0) -> AttentionMetadata:
+        others = () if group else tuple(self._meta(bs, g) for g in range(1, self.slot_mapping.shape[0]))
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+            slot_mapping=self.slot_mapping[group, :bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            block_tables=self.block_tables[group, :bs],
             max_seqlen_q=1,
             max_seqlen_k=self.max_model_len,  # an upper bound: the same kernels serve every replay
             cu_seqlens_q_host=list(range(bs + 1)),
             seq_lens_host=[1] * bs,
+            kv_groups=others,
         )
 
     def can_run(self, meta: AttentionMetadata, states: StateMetadata | None = None) -> bool:
@@ -96,12 +100,14 @@ class DecodeGraphs:
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.seq_lens[n:bs].fill_(1)
-        # Columns past a row's last block are never read: no need to clear them.
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        for g in range(self.slot_mapping.shape[0]):
+            group = meta.group(g)
+            self.slot_mapping[g, :n].copy_(group.slot_mapping)
+            self.slot_mapping[g, n:bs].fill_(-1)
+            # Columns past a row's last block are never read: no need to clear them.
+            self.block_tables[g, :n, : group.block_tables.shape[1]].copy_(group.block_tables)
         if self.state_slots is not None:
             self.state_slots[:n].copy_(states.slots)
             self.state_slots[n:bs].fill_(-1)

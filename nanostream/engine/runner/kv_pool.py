@@ -93,14 +93,20 @@ SNAPSHOT_SHARE = 0.25
 
 
 def plan_cache(
-    config: EngineConfig, block_bytes: int, slot_bytes: int, device: torch.device, cuda_budget: Callable[[], int]
+    config: EngineConfig,
+    block_bytes: int,
+    slot_bytes: int,
+    device: torch.device,
+    cuda_budget: Callable[[], int],
+    num_groups: int = 1,
 ) -> CachePlan:
     """KV blocks of ``block_bytes`` and, for a model with recurrent layers, state slots of ``slot_bytes`` (one
     sequence's state of every such layer): a live one per running sequence and ``num_snapshots`` for the prefix
     cache. In order of precedence: ``num_kvcache_blocks`` (the states beside them); ``kv_cache_memory_bytes`` or,
     on CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured), shared: live states first,
     then snapshots (``max_state_snapshots``, else max_num_seqs within a quarter of what is left), blocks from the
-    rest; on CPU, KV blocks of at most 1 GiB and never more than the engine can fill, the states beside them."""
+    rest; on CPU, KV blocks of at most 1 GiB and never more than the engine can fill (a block table of
+    ``max_model_len`` tokens per KV group of each of ``max_num_seqs`` sequences), the states beside them."""
     cfg = config
     live = cfg.max_num_seqs * slot_bytes
     snapshots = cfg.max_state_snapshots if cfg.max_state_snapshots is not None else cfg.max_num_seqs
@@ -116,7 +122,7 @@ def plan_cache(
         budget = left - snapshots * slot_bytes
     else:
         # CPU memory is shared with everything else: never more than the engine can ever fill.
-        most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size)
+        most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size) * num_groups
         budget = min(CPU_DEFAULT_KV_BYTES, most * block_bytes)
     num_blocks = budget // block_bytes
     if num_blocks < 1:

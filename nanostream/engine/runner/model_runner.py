@@ -94,8 +94,9 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.num_state_snapshots = 0  # (the worst step's pool, if it runs, holds the live slots alone)
         self.num_kv_blocks, self.num_state_snapshots = plan_cache(
-            config, self.kv_block_bytes, self.state_slot_bytes, self.device, self._cuda_kv_budget
-        )
+            config, self.kv_block_bytes, self.state_slot_bytes, self.device, self._cuda_kv_budget,
+            len(self.layout.groups),
+        )  # fmt: skip
         if cuda and (config.num_kvcache_blocks is not None or config.kv_cache_memory_bytes is not None):
             self._run_worst_step()  # the pool's size was given, so no measurement ran it: it still compiles
         if tp.size > 1:  # every rank's pool has as many blocks and slots: the scheduler's ids index them all
@@ -114,6 +115,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
                 states=self.layout.has_state,
+                num_groups=len(self.layout.groups),
             )
         if graphs and tp.size == 1 and not self.layout.has_state and self.model.model.piecewise:  # (host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
@@ -189,7 +191,7 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk], prev: InFlight | None = None) -> StepInputs:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples. With
         recurrent layers, their slots too, and the slots zeroed or restored for the step (done here)."""
-        inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads)
+        inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads, len(self.layout.groups))
         if not self.layout.has_state:
             return inputs
         states = pack_states(chunks, self.device, self.uploads)

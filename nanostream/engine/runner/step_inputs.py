@@ -9,6 +9,7 @@ list goes up on its own (``torch.tensor``), as a test or a benchmark may send it
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Protocol
 
 import torch
@@ -139,14 +140,15 @@ def pack_step(
     device: torch.device,
     prev: PendingSource | None = None,
     uploads: Uploads | None = None,
+    num_groups: int = 1,
 ) -> StepInputs:
     """Pack the chunks into one varlen batch (uploaded through ``uploads``, the runner's). A PENDING input token
-    is read from ``prev``'s samples."""
+    is read from ``prev``'s samples. ``num_groups``: the model's KV groups, a block table each (a sequence with one
+    table uses it for every group): group 0's slots and tables in ``meta``, the others' in ``meta.kv_groups``."""
     bs = block_size
     pending: list[tuple[int, int]] = []  # (row of input_ids, row of prev's samples)
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     cu_q, seq_lens, sample_rows = [0], [], []
     for chunk in chunks:
         seq, start = chunk.seq, chunk.start
@@ -157,7 +159,6 @@ def pack_step(
                 pending.append((len(input_ids), prev.rows[seq.request_id]))
             input_ids.append(token)
             positions.append(start)
-            slots.append(seq.block_table[start // bs] * bs + start % bs)
             cu_q.append(cu_q[-1] + 1)
             seq_lens.append(start + 1)
             if chunk.samples:
@@ -170,43 +171,59 @@ def pack_step(
                 pending.append((len(input_ids) + i - start, prev.rows[seq.request_id]))
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
-        for b in range(start // bs, (end - 1) // bs + 1):  # slots, one block range at a time
-            base = seq.block_table[b] * bs - b * bs
-            slots += range(base + max(start, b * bs), base + min(end, (b + 1) * bs))
         cu_q.append(cu_q[-1] + chunk.num_new_tokens)
         seq_lens.append(end)
         if chunk.samples:
             sample_rows.append(cu_q[-1] - 1)
-    width = max(len(c.seq.block_table) for c in chunks)
-    tables: list[int] = []
-    for c in chunks:
-        table = c.seq.block_table
-        tables += table
-        if len(table) < width:
-            tables += [0] * (width - len(table))
+    width = max(len(c.seq.block_tables[0]) for c in chunks)
+    slots, tables = zip(*(_slots_and_tables(chunks, g, bs, width) for g in range(num_groups)), strict=True)
     for row, _ in pending:
         input_ids[row] = 0  # a placeholder id; the device copy below overwrites it
     rows, prev_rows = (list(x) for x in zip(*pending)) if pending else ([], [])
     # Two copies up, one per dtype, instead of one per tensor.
-    ids, pos, slot_mapping, rows_t, prev_rows_t = to_device_packed(
-        device, torch.int64, input_ids, positions, slots, rows, prev_rows, uploads=uploads
+    ids, pos, rows_t, prev_rows_t, *slot_mappings = to_device_packed(
+        device, torch.int64, input_ids, positions, rows, prev_rows, *slots, uploads=uploads
     )
-    cu_seqlens_q, seq_lens_t, block_tables = to_device_packed(
-        device, torch.int32, cu_q, seq_lens, tables, uploads=uploads
+    cu_seqlens_q, seq_lens_t, *block_tables = to_device_packed(
+        device, torch.int32, cu_q, seq_lens, *tables, uploads=uploads
     )
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        cu_seqlens_q=cu_seqlens_q,
-        seq_lens=seq_lens_t,
-        block_tables=block_tables.view(len(chunks), width),
-        max_seqlen_q=max(c.num_new_tokens for c in chunks),
-        max_seqlen_k=max(seq_lens),
-        cu_seqlens_q_host=cu_q,
-        seq_lens_host=seq_lens,
-    )
+    metas = [
+        AttentionMetadata(
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens_t,
+            block_tables=table.view(len(chunks), width),
+            max_seqlen_q=max(c.num_new_tokens for c in chunks),
+            max_seqlen_k=max(seq_lens),
+            cu_seqlens_q_host=cu_q,
+            seq_lens_host=seq_lens,
+        )
+        for slot_mapping, table in zip(slot_mappings, block_tables, strict=True)
+    ]
+    meta = dataclasses.replace(metas[0], kv_groups=tuple(metas[1:])) if num_groups > 1 else metas[0]
     if pending:  # on the device, after the step in flight has sampled them: no host round trip
         ids[rows_t] = prev.out.token_ids[prev_rows_t]
     return StepInputs(ids, pos, meta, sample_rows)
+
+
+def _slots_and_tables(chunks: list[Chunk], group: int, bs: int, width: int) -> tuple[list[int], list[int]]:
+    """KV group ``group``'s slot of each new token, and its block tables [B, width] flat (padded with 0)."""
+    slots: list[int] = []
+    tables: list[int] = []
+    for chunk in chunks:
+        seq_tables = chunk.seq.block_tables
+        table = seq_tables[group] if len(seq_tables) > 1 else seq_tables[0]
+        start, end = chunk.start, chunk.start + chunk.num_new_tokens
+        if end - start == 1:
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            for b in range(start // bs, (end - 1) // bs + 1):  # slots, one block range at a time
+                base = table[b] * bs - b * bs
+                slots += range(base + max(start, b * bs), base + min(end, (b + 1) * bs))
+        tables += table
+        if len(table) < width:
+            tables += [0] * (width - len(table))
+    return slots, tables
 
 
 def pack_states(chunks: list[Chunk], device: torch.device, uploads: Uploads | None = None) -> StateMetadata:

@@ -4,9 +4,10 @@ A worker holds no scheduler and no ``Sequence``: it mirrors only what its model 
 step rank 0 sends the chunk's own token ids (``PENDING`` where the step in flight samples one: every rank
 reads that value from rank 0's broadcast samples, on the device), where it starts, whether it samples, and
 the KV blocks its sequence gained since the worker last heard of it. Block tables only grow, except when
-the block manager frees a sequence (preemption, finish), which gives it a new list: then the whole table is
-sent again. Sequences are numbered (``handle``), so a step names each with a small integer. Frames are
-msgspec structs (never pickles: they travel over sockets).
+the block manager frees a sequence (preemption, finish), which gives it new lists: then the whole table is
+sent again (a model with several KV groups has a table per group, all as long: each is sent alike). Sequences
+are numbered (``handle``), so a step names each with a small integer. Frames are msgspec structs (never pickles:
+they travel over sockets).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ChunkUpdate(msgspec.Struct, array_like=True):
     table_start: int  # the sequence's block table from this index on is ...
     blocks: list[int]  # ... these blocks (0: a new table)
     state: ChunkState | None = None  # a model with recurrent layers: the chunk's state slot, start, snapshots
+    group_blocks: list[list[int]] = []  # KV groups 1, 2, ...: their tables' blocks from table_start on
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -70,7 +72,7 @@ def decode_setup(frame: bytes) -> Setup:
 class _Mirrored:
     seq: Sequence
     handle: int
-    table: list[int]  # the very list object the workers' copy was taken from
+    table: list[int]  # the very list object the workers' copy was taken from (KV group 0's)
     sent: int  # how many of its blocks the workers have
 
 
@@ -94,11 +96,9 @@ class StepWriter:
             if m.table is not seq.block_table:  # freed and given a new table: send all of it
                 m.table, m.sent = seq.block_table, 0
             start, end = chunk.start, chunk.start + chunk.num_new_tokens
-            updates.append(
-                ChunkUpdate(
-                    m.handle, start, seq.token_ids[start:end], chunk.samples, m.sent, m.table[m.sent :], chunk.state
-                )
-            )
+            groups = [table[m.sent :] for table in seq.block_tables[1:]]
+            tokens, blocks = seq.token_ids[start:end], m.table[m.sent :]
+            updates.append(ChunkUpdate(m.handle, start, tokens, chunk.samples, m.sent, blocks, chunk.state, groups))
             m.sent = len(m.table)
         if len(self._known) > len(updates):  # someone is not in this step: perhaps finished
             for rid in [rid for rid, m in self._known.items() if m.seq.is_finished]:
@@ -126,7 +126,7 @@ class MirroredSeq:
 
     request_id: int  # the handle
     token_ids: _Window
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV group
 
 
 @dataclass(slots=True)
@@ -142,7 +142,7 @@ class StepReader:
     """A worker: the chunks of each ``Step``, with the block tables it has been told of so far."""
 
     def __init__(self) -> None:
-        self._tables: dict[int, list[int]] = {}
+        self._tables: dict[int, list[list[int]]] = {}
 
     def chunks(self, step: Step) -> list[MirroredChunk]:
         for handle in step.forget:
@@ -150,13 +150,14 @@ class StepReader:
         chunks = []
         for u in step.chunks:
             if u.table_start == 0:
-                table = self._tables[u.handle] = u.blocks
+                tables = self._tables[u.handle] = [u.blocks, *u.group_blocks]
             else:
-                table = self._tables[u.handle]
-                assert len(table) == u.table_start, (
-                    f"sequence {u.handle}: {len(table)} blocks known, {u.table_start} sent"
+                tables = self._tables[u.handle]
+                assert len(tables[0]) == u.table_start, (
+                    f"sequence {u.handle}: {len(tables[0])} blocks known, {u.table_start} sent"
                 )
-                table += u.blocks
-            seq = MirroredSeq(u.handle, _Window(u.start, u.token_ids), table)
+                for table, blocks in zip(tables, [u.blocks, *u.group_blocks], strict=True):
+                    table += blocks
+            seq = MirroredSeq(u.handle, _Window(u.start, u.token_ids), tables)
             chunks.append(MirroredChunk(seq, u.start, len(u.token_ids), u.samples, u.state))
         return chunks
