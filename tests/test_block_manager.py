@@ -2,7 +2,8 @@
 
 import pytest
 
-from nanostream.engine.block_manager import BlockManager, chain_hash
+from nanostream.engine.block_manager import BlockManager
+from nanostream.engine.blocks import chain_hash
 from nanostream.engine.sequence import Sequence
 from nanostream.sampling_params import SamplingParams
 

@@ -4,13 +4,9 @@ restores one instead of recomputing the prefix (engine/state_slots.py holds the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from nanostream.engine.blocks import Block
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.state_slots import ZERO, ChunkState, StateSlots
-
-if TYPE_CHECKING:
-    from nanostream.engine.block_manager import Block
 
 
 class StatePlans:
