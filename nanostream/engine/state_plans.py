@@ -54,13 +54,12 @@ class StatePlans:
         taken = self.states.take_snapshot(in_use)
         if taken is None and (tail or boundary == seq.num_prompt_tokens // self.block_size * self.block_size):
             # Every slot waits for its step. The prompt's end (what the conversation's next turn hits) and a decode
-            # tail go before this sequence's own latest snapshot still waiting: a step copies into the slot
-            # after the earlier step's copy, and the earlier boundary is never cached.
+            # tail take over the slot of this sequence's own latest snapshot still waiting: this copy lands after
+            # the earlier one (a later step, or later in this chunk), and the earlier boundary is never cached.
             last_tail = seq.tail_snapshot[0] if seq.tail_snapshot else None
             own = max((b for b in seq.pending_snapshots if b < boundary and b != last_tail), default=None)
             if own is not None:
-                self.states.release(seq.pending_snapshots.pop(own))
-                taken = self.states.take_snapshot(in_use)
+                taken = seq.pending_snapshots.pop(own), None
         if taken is None:
             return None
         slot, evicted = taken
