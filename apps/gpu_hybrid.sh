@@ -5,13 +5,15 @@
 #   bash apps/gpu_hybrid.sh engine  # test_hybrid_engine.py's GPU tests alone, then bench's 8B and 9B runs, ~9 min
 #   bash apps/gpu_hybrid.sh bench   # the bench workload: Qwen3-8B, Qwen3.5-9B, Qwen3.6-35B-A3B (FP8 on an H100,
 #                                   #   bf16 on an H200) shapes, dummy weights, the same call, ~7 min
+#   bash apps/gpu_hybrid.sh moe     # bench's 8B beside the 35B-A3B shape alone (FP8 on an H100, bf16 on an H200), ~6 min
+#   bash apps/gpu_hybrid.sh htests  # test_hybrid_engine.py's GPU tests alone, ~5 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
 #   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
 #                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
-stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|long|turns|mla}
+stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|mla}
 site=/tmp/nanostream-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null 2>&1
@@ -54,6 +56,10 @@ bench)
     bench qwen3-8b qwen3-8b "${dummy[@]}"
     bench qwen3.5-9b qwen3.5-9b
     if [ "$h200" = 1 ]; then bench qwen3.6-35b-a3b qwen3.6-35b-a3b; else bench qwen3.6-35b-a3b-fp8 qwen3.6-35b-a3b-fp8; fi ;;
+moe)
+    bench qwen3-8b qwen3-8b "${dummy[@]}"
+    if [ "$h200" = 1 ]; then BENCH_S=280 bench qwen3.6-35b-a3b qwen3.6-35b-a3b
+    else BENCH_S=280 bench qwen3.6-35b-a3b-fp8 qwen3.6-35b-a3b-fp8; fi ;;
 long)
     long=(--num-requests 64 --min-input-len 16384 --max-input-len 16384 --min-output-len 256 --max-output-len 256
         --max-model-len 16640 --max-num-seqs 64)
@@ -65,9 +71,10 @@ turns)
         timeout 280 python3 apps/bench_multiturn.py --preset "$preset" "${extra[@]}" 2>&1 \
             | grep -v "Loading weights" | tee "$out/turns-$preset.log" | tail -n 8
     done ;;
-engine)  # the hybrid engine's GPU tests alone (a stack dump of every thread where one stalls), then 8B and 9B
+engine|htests)  # the hybrid engine's GPU tests alone (a stack dump of every thread where one stalls), then 8B and 9B
     timeout -s INT 270 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=150 \
         tests/test_hybrid_engine.py 2>&1 | tail -n 40
+    [ "$stage" = htests ] && exit 0
     BENCH_S=120 bench qwen3-8b qwen3-8b "${dummy[@]}"
     BENCH_S=190 bench qwen3.5-9b qwen3.5-9b ;;
 mla)
