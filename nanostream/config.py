@@ -56,6 +56,8 @@ class EngineConfig:
     max_state_snapshots: int | None = None
     """Models with recurrent layers: the most state copies the prefix cache keeps (least recently used out).
     Default: max_num_seqs, fewer on CUDA where a quarter of the memory left after the live states holds less."""
+    limit_images_per_prompt: int = 16
+    """A vision-language model: the most images one request may hold (more is a 400 / InvalidRequestError)."""
     dtype: str = "auto"
     """The weights' and activations' dtype; auto: bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
@@ -98,7 +100,13 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a model directory or hub id, got {self.model!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kvcache_block_size",
+            "tensor_parallel_size",
+            "limit_images_per_prompt",
+        ):
             positive(name)
         for name in ("max_model_len", "kv_cache_memory_bytes", "num_kvcache_blocks", "state_snapshot_interval"):
             if getattr(self, name) is not None:

@@ -32,7 +32,7 @@ from nanostream.errors import ProtocolError
 from nanostream.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from nanostream.structured_outputs import MAX_GRAMMAR_CHARS
 
-PROTOCOL_VERSION = 5  # 3: structured outputs, logit bias, n, prompt logprobs; 4: after reasoning; 5: embeddings
+PROTOCOL_VERSION = 6  # 3: structured outputs, logit bias, n, prompt logprobs; 4: after reasoning; 5: embeddings; 6: images
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
 MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
 MAX_REQUEST_ID_CHARS = 256
@@ -41,11 +41,17 @@ MAX_ABORT_IDS = 4096
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
 
 
-def max_request_bytes(max_model_len: int) -> int:
+MAX_IMAGE_BYTES = 256 * 1024 * 1024
+"""The most a request's images' pixel rows may take on the wire (float32: about 50 images of 448x448)."""
+
+
+def max_request_bytes(max_model_len: int, image_bytes_per_token: int = 0) -> int:
     """The largest frame a client may send an engine of this context length: an Add of a full-length
     prompt (msgpack spends at most 9 bytes on an id) with every stop string, logit bias and grammar at
-    its longest, and room."""
-    return 9 * max_model_len + 4 * 64 * 1024 + 4 * MAX_GRAMMAR_CHARS + 32 * MAX_LOGIT_BIAS + 64 * 1024
+    its longest, and room. ``image_bytes_per_token``: a model that takes images, the pixel rows behind one
+    placeholder token (a full-length prompt of image tokens, up to ``MAX_IMAGE_BYTES``)."""
+    images = min(MAX_IMAGE_BYTES, image_bytes_per_token * max_model_len)
+    return 9 * max_model_len + 4 * 64 * 1024 + 4 * MAX_GRAMMAR_CHARS + 32 * MAX_LOGIT_BIAS + 64 * 1024 + images
 
 
 class _Message(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, omit_defaults=True):
@@ -62,11 +68,22 @@ class Hello(_Message, tag="hello"):
     tokenizer_digest: str | None = None  # the client has these tokenizer files already: leave them out
 
 
+class ImageInput(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a prompt as the model's image processor prepared it (on the client's side): its placeholder
+    tokens start at index ``offset`` of the prompt; ``grid``: its (t, h, w) patches; ``pixels``: the processor's
+    ``pixel_values`` rows of it, float32 little-endian, [t*h*w, the encoder's values per patch]."""
+
+    offset: int
+    grid: tuple[int, int, int]
+    pixels: bytes
+
+
 class Add(_Message, tag="add"):
     request_id: RequestId
     prompt_token_ids: list[int]
     params: SamplingParams
     timeout: Annotated[float, msgspec.Meta(gt=0, le=10**9)] | None = None  # seconds; then the engine aborts it
+    images: list[ImageInput] = []  # in prompt order (a model that takes images)
 
 
 class Abort(_Message, tag="abort"):

@@ -188,7 +188,7 @@ def test_step_inputs_travel_as_one_buffer_per_dtype(qwen3_dir):
         return ScheduledChunk(seq, num_tokens - computed)
 
     chunks = [chunk("decode", 6, 5, [7, 2]), chunk("prefill", 9, 2, [4, 0, 5])]
-    ids, positions, meta, sample_rows, _ = runner.prepare(chunks)
+    ids, positions, meta, sample_rows, *_ = runner.prepare(chunks)
     assert ids.tolist() == [8, *range(5, 12)] and positions.tolist() == [5, *range(2, 9)]
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, *range(0, 4), 5 * 4]
     assert meta.cu_seqlens_q.tolist() == [0, 1, 8] and meta.seq_lens.tolist() == [6, 9]

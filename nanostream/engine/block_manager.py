@@ -96,7 +96,7 @@ class BlockManager(StatePlans):
         full = [g for g, r in enumerate(self.reaches) if r is None]
         prev = 0
         for i in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            tokens = seq.block_key(i, bs)
             prev = chain_hash(prev, tokens)
             for g, cache in enumerate(self.cached):
                 block_id = cache.get(prev)
@@ -167,7 +167,7 @@ class BlockManager(StatePlans):
     def _chained_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         hashes, prev, bs = [], 0, self.block_size
         for i in range(num_blocks):
-            prev = chain_hash(prev, seq.token_ids[i * bs : (i + 1) * bs])
+            prev = chain_hash(prev, seq.block_key(i, bs))
             hashes.append(prev)
         return hashes
 
@@ -191,7 +191,7 @@ class BlockManager(StatePlans):
         if num_full <= len(seq.block_hashes) or not self.enable_prefix_caching:  # (most steps of a decode row)
             return
         for i in range(len(seq.block_hashes), num_full):
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            tokens = seq.block_key(i, self.block_size)
             block_hash = chain_hash(seq.block_hashes[-1] if seq.block_hashes else 0, tokens)
             seq.block_hashes.append(block_hash)
             for g, cache in enumerate(self.cached):

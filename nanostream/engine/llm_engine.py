@@ -23,6 +23,7 @@ from nanostream.engine.admission import check_request, read_eos_token_ids
 from nanostream.engine.block_manager import BlockManager
 from nanostream.engine.deltas import StepResult, ended_delta, token_delta
 from nanostream.engine.grammar import GrammarCompiler, GrammarMasks, GrammarWaitlist
+from nanostream.engine.images import check_images
 from nanostream.engine.runner.model_runner import InFlight, ModelRunner
 from nanostream.engine.scheduler import ScheduledChunk, Scheduler
 from nanostream.engine.sequence import Sequence
@@ -35,6 +36,7 @@ from nanostream.models.loader import resolve_model_path
 from nanostream.models.model_config import read_model_config
 from nanostream.models.pooling import read_pooling
 from nanostream.models.quantization import weights_dtype
+from nanostream.models.vision.tower import vision_tower
 from nanostream.protocol import EngineStats, RequestDelta
 from nanostream.sampling_params import SamplingParams
 
@@ -69,9 +71,10 @@ class LLMEngine:
             cuda_available=torch.cuda.is_available(),
         )
         spec = decoder_spec(model.hf_config, max_model_len=config.max_model_len)
+        self.vision, self.mrope = vision_tower(model), spec.rope.mrope_section is not None
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(config, spec, self.model_path)
+            self.runner = ModelRunner(config, spec, self.model_path, vision=self.vision)
         else:
             self.config = config = agreed_config(config, spec, rendezvous.local_rank if rendezvous else 0)
             self.workers = WorkerGroup(config, spec, rendezvous)
@@ -93,11 +96,9 @@ class LLMEngine:
             groups=self.runner.layout.group_reaches,
         )  # fmt: skip
         self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            self.block_manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
-        )
+        )  # fmt: skip
         self._rng = random.Random(config.seed)
         grammars = GrammarCompiler(config.tokenizer or self.model_path, self.vocab_size, self.eos_token_ids)
         self.grammar_waitlist = GrammarWaitlist(grammars)  # constrained requests whose grammar compiles
@@ -113,7 +114,6 @@ class LLMEngine:
             str(self.runner.kv_dtype).removeprefix("torch."), ", batch-invariant" if config.batch_invariant else "",
             f", embeddings ({self.pooling.mode}-token pooling)" if self.pooling else "",
         )  # fmt: skip
-
         # The collector is the process's, not the engine's: the engine process (`nanostream serve`) and the
         # benchmarks freeze what start-up made (gc.freeze(): a full pass over it stalled a step for 280 ms
         # on an H200); a program of one's own may do the same after building its LLM.
@@ -132,9 +132,9 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.close()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes).
-
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, images=()) -> None:
+        """Queue a request, or raise ``InvalidRequestError`` if it can never run (nothing else changes). ``images``:
+        a vision-language model's ``ImageInput``s, as its image processor prepared them (engine/images.py).
         A constrained request (``structured_outputs``) waits for its grammar, compiled off this thread; a
         grammar that does not compile ends it with an "error" delta of code "invalid"."""
         prompt = list(prompt_token_ids)
@@ -144,11 +144,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt_logprobs is not supported with tensor_parallel_size > 1 yet; leave it out or run one rank"
             )
+        images = check_images(prompt, images, self.vision, self.config, mrope=self.mrope)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
             request_id, prompt, params, max_tokens=max_tokens, sampling_seed=seed & (2**63 - 1), stop_token_ids=stop_ids
         )
+        seq.images = images
         if request_id in self.grammar_waitlist or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None and not self.grammar_waitlist.add(seq):

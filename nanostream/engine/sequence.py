@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nanostream.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanostream.engine.images import PromptImages
 
 PENDING = -1
 """Placeholder for a token that the step in flight is sampling: its value is still on the device."""
@@ -79,6 +82,7 @@ class Sequence:
         self.state_restore: int | None = None
         self.pending_snapshots: dict[int, int] = {}
         self.tail_snapshot: tuple[int, int] | None = None
+        self.images: PromptImages | None = None  # a vision-language model's prompt images (engine/images.py)
 
     def __repr__(self) -> str:
         return (
@@ -98,6 +102,12 @@ class Sequence:
     @property
     def released_blocks(self) -> int:
         return self.released[0]
+
+    def block_key(self, i: int, block_size: int) -> list[int]:
+        """What block i's prefix-cache hash covers: its token ids, and the images it overlaps (engine/images.py)."""
+        start = i * block_size
+        tokens = self.token_ids[start : start + block_size]
+        return tokens if self.images is None else tokens + self.images.block_words(start, start + block_size)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """A tiny random-weight model, built the same way on any machine, for tests.
 
-``make_tiny_model(DIR)`` writes a Hugging Face model directory (config.json, model.safetensors,
-tokenizer files with a chat template) using transformers' own config and model classes. The weights
-are random, so the text is gibberish; it exists to exercise the whole engine without a download.
+``make_tiny_model(DIR)`` writes a Hugging Face model directory (config.json, model.safetensors, tokenizer files with a
+chat template) using transformers' own config and model classes. The weights are random, so the text is gibberish; it
+exists to exercise the whole engine without a download.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from nanostream.testing import tiny_families as families  # the families of issue 57
+from nanostream.testing import tiny_vision as vision  # the vision-language models of issue 58
 from nanostream.testing.tiny_latent import LATENT_ARCHITECTURES, LATENT_PRESETS, TINY_LATENT
 from nanostream.testing.tokenizer import build_tokenizer
 
@@ -123,10 +124,7 @@ _TINY_HYBRID: dict[str, dict] = {
     ),
 }  # fmt: skip
 _CENTRED_NORMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-_TINY_VISION = dict(
-    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
-)
-_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config", _TINY_VISION)}
+_MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config", vision.TINY_QWEN_VISION)}
 _MULTIMODAL |= families.FAMILY_MULTIMODAL
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
 EXPERT_LAYOUTS = ("per_expert", "stacked")
@@ -185,11 +183,12 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     config_cls, _ = _classes(architecture)
     if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
         text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
-        vision = dict(_MULTIMODAL[architecture][2])
+        tower = dict(_MULTIMODAL[architecture][2])
         if architecture == "Qwen3_5ForConditionalGeneration":  # its merger's output: the text model's width
-            vision["out_hidden_size"] = text.hidden_size
+            tower["out_hidden_size"] = text.hidden_size
+        tokens, text.vocab_size = vision.vision_token_ids(architecture) or ({}, text.vocab_size)  # its placeholders
         config = config_cls(
-            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=text.tie_word_embeddings
+            text_config=text.to_dict(), vision_config=tower, tie_word_embeddings=text.tie_word_embeddings, **tokens
         )
         config.architectures = [architecture]
         return config
@@ -256,7 +255,7 @@ def make_tiny_model(
         raise ValueError(f"expert_layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
     _, model_cls = _classes(architecture)
     path = Path(path)
-    tokenizer = build_tokenizer()
+    tokenizer = vision.with_vision_tokens(build_tokenizer(), architecture)
     config = tiny_config(architecture, **config_overrides)
     if not weights:
         config.dtype = weights_dtype
@@ -291,6 +290,7 @@ def make_tiny_model(
     stacked = {"save_original_format": False} if expert_layout == "stacked" else {}
     model.save_pretrained(path, safe_serialization=True, **stacked)
     tokenizer.save_pretrained(path)
+    vision.save_image_processor(config, architecture, path)  # where its images run
     gen_cfg = path / "generation_config.json"
     if gen_cfg.exists():  # keep the EOS but drop sampling defaults that would make HF generate sample
         data = json.loads(gen_cfg.read_text())

@@ -21,7 +21,9 @@ back, but every morning the sand held new shapes, and the keeper read them as an
 """
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
-    "{%- macro text(c) %}{{- c if c is string else '' }}{%- endmacro %}"
+    "{%- macro text(c) %}{%- if c is string %}{{- c }}{%- elif c is iterable and c is not mapping %}"
+    "{%- for p in c %}{%- if p.type in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif p.type == 'text' %}{{- p.text }}{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
     "{%- if tools %}"
     "{{- '<|im_start|>system\n' }}"
     "{%- if messages and messages[0].role == 'system' %}{{- text(messages[0].content) + '\n\n' }}{%- endif %}"
@@ -62,7 +64,8 @@ CHAT_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
     "{%- endif %}"
 )
-"""A Qwen3-style ChatML template (nanostream's own wording): tools in the system turn, tool calls as
+"""A Qwen3-style ChatML template (nanostream's own wording): a message's content a string or a list of text and
+image parts (an image as Qwen's ``<|vision_start|><|image_pad|><|vision_end|>``), tools in the system turn, tool calls as
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, tool results as ``<tool_response>`` in a
 user turn, an assistant's recent ``reasoning_content`` as ``<think>``, and ``enable_thinking=False``
 closing an empty ``<think>`` block at the start of the reply. Plain conversations render as ChatML."""

@@ -25,12 +25,13 @@ from nanostream.config import EngineConfig
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.engine.runner.cache_pool import CacheLayout, allocate_caches, init_states
 from nanostream.engine.runner.decode_graphs import DecodeGraphs
+from nanostream.engine.runner.image_rows import ImageRows
 from nanostream.engine.runner.in_flight import InFlight, StepControl, copy_to_host
 from nanostream.engine.runner.kv_pool import kv_dtype, measure_cuda_kv_budget, plan_cache, short_chunk_steps, worst_step
 from nanostream.engine.runner.pooled import launch_pooling
 from nanostream.engine.runner.prefill_graphs import PrefillGraphs
 from nanostream.engine.runner.prompt_logprobs import launch_prompt_logprobs
-from nanostream.engine.runner.sampler import SamplerOutput, sample
+from nanostream.engine.runner.sampler import SamplerOutput, sample, warm_lm_head
 from nanostream.engine.runner.sampling_batch import SampledToken, add_token_bitmask, make_sampling_batch, read_samples
 from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, pack_states, pack_step, to_device
 from nanostream.layers.attention import ForwardContext
@@ -39,7 +40,8 @@ from nanostream.layers.backends import get_backend
 from nanostream.layers.cache_spec import StateCache, StateMetadata
 from nanostream.layers.delta_rule_fla import fla_runs, varlen_delta_rule
 from nanostream.layers.layer_kernels import LayerKernels
-from nanostream.models import DecoderSpec, load_model
+from nanostream.models import DecoderSpec, PlaceholderEmbeds, load_model
+from nanostream.models.vision.tower import VisionTower
 
 __all__ = ["InFlight", "ModelRunner", "SampledToken"]
 
@@ -47,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """``tp``: this process's rank (default: the only one); ``control``: on rank 0 of several, the workers."""
+    """``tp``: this process's rank (default: the only one); ``control``: on rank 0 of several, the workers;
+    ``vision``: the checkpoint's vision tower, where requests may bring images (image_rows.py)."""
 
     def __init__(
         self,
@@ -57,6 +60,7 @@ class ModelRunner:
         *,
         tp: TensorParallel = SINGLE,
         control: StepControl | None = None,
+        vision: VisionTower | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -88,6 +92,7 @@ class ModelRunner:
             self.spec, kernels, model_path, dtype=self.dtype, device=self.device, tp=tp,
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
         )  # fmt: skip
+        self.images = None if vision is None else ImageRows.of(vision, model_path, config, self.dtype, self.device)
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.layout = CacheLayout(self.model.cache_specs())  # which layers page KV, which keep a state
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
@@ -120,7 +125,7 @@ class ModelRunner:
         if graphs and tp.size == 1 and not self.layout.has_state and self.model.model.piecewise:  # (host bookkeeping)
             self.prefill_graphs = self._capture_prefill_graphs()
         if cuda:
-            self._warm_logits()
+            warm_lm_head(self.model, config.max_num_seqs, self.spec.hidden_size, self.dtype, self.device)
 
     def _capture_prefill_graphs(self) -> PrefillGraphs | None:
         # Their buffers and pool come out of the memory the KV pool left (1 - gpu_memory_utilization).
@@ -133,16 +138,6 @@ class ModelRunner:
                 "(lower gpu_memory_utilization to leave room for them)"
             )
             return None
-
-    @torch.inference_mode()
-    def _warm_logits(self) -> None:
-        """The LM head at every row count a step can sample, 1 ... max_num_seqs. It runs eagerly, and cuBLAS
-        picks and loads a GEMM kernel per row count on first use: on an H200 host a stall of several ms a
-        step in the first burst's prompt steps (their row counts are new), unless it happened here."""
-        hidden = torch.zeros(self.config.max_num_seqs, self.spec.hidden_size, dtype=self.dtype, device=self.device)
-        for rows in range(1, self.config.max_num_seqs + 1):
-            self.model.compute_logits(hidden[:rows])
-        torch.cuda.synchronize(self.device)
 
     # ---- KV pool -------------------------------------------------------------------------------
 
@@ -184,14 +179,17 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, states: StateMetadata = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, states))
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, states: StateMetadata = None,
+        embeds: PlaceholderEmbeds | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, states), embeds)
 
     def prepare(self, chunks: list[Chunk], prev: InFlight | None = None) -> StepInputs:
         """Pack the chunks into one varlen batch. A PENDING input token is read from ``prev``'s samples. With
         recurrent layers, their slots too, and the slots zeroed or restored for the step (done here)."""
         inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads, len(self.layout.groups))
+        if self.images is not None:
+            inputs = self.images.step_inputs(chunks, inputs, self.uploads)
         if not self.layout.has_state:
             return inputs
         states = pack_states(chunks, self.device, self.uploads)
@@ -222,15 +220,16 @@ class ModelRunner:
         constrained rows' grammar masks are known). The sampling parameters are read now either way.
         ``with_prompt_logprobs``: some request wants prompt logprobs (for its chunks; not with tensor parallelism)."""
         self.uploads.new_step()
-        input_ids, positions, meta, sample_rows, states = self.prepare(chunks, prev)
-        if self.graphs is not None and self.graphs.can_run(meta, states):
+        input_ids, positions, meta, sample_rows, states, embeds = self.prepare(chunks, prev)
+        plain = embeds is None and positions.dim() == 1  # (no image rows: what the graphs take)
+        if plain and self.graphs is not None and self.graphs.can_run(meta, states):
             hidden = self.graphs.run(input_ids, positions, meta, states)
             if states is not None:  # the snapshots of the step, which the graph does not take
                 init_states(self.kv_caches, [], states.decode_copies())
-        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
+        elif plain and self.prefill_graphs is not None and self.prefill_graphs.can_run(input_ids.shape[0]):
             hidden = self.prefill_graphs.run(input_ids, positions, ForwardContext(meta, self.kv_caches))
         else:
-            hidden = self._forward(input_ids, positions, meta, states)
+            hidden = self._forward(input_ids, positions, meta, states, embeds)
         prompt_logprobs = None
         if with_prompt_logprobs:
             prompt_logprobs = launch_prompt_logprobs(chunks, hidden, self.model.compute_logits, self.uploads)

@@ -188,3 +188,14 @@ def sample(logits: torch.Tensor, b: SamplingBatch, *, use_kernel: bool | None = 
     logprobs = raw.log_softmax(-1)
     top_logprobs, top_ids = logprobs.topk(b.max_logprobs, -1) if b.max_logprobs else (None, None)
     return SamplerOutput(token_ids, logprobs.gather(-1, token_ids[:, None])[:, 0], top_ids, top_logprobs)
+
+
+@torch.inference_mode()
+def warm_lm_head(model: torch.nn.Module, max_rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    """The LM head at every row count a step can sample, 1 ... ``max_rows`` (max_num_seqs). It runs eagerly, and
+    cuBLAS picks and loads a GEMM kernel per row count on first use: on an H200 host a stall of several ms a step in
+    the first burst's prompt steps (their row counts are new), unless it happened at start-up."""
+    hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+    for rows in range(1, max_rows + 1):
+        model.compute_logits(hidden[:rows])
+    torch.cuda.synchronize(device)

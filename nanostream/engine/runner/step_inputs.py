@@ -19,6 +19,7 @@ from nanostream.engine.sequence import PENDING, Sequence
 from nanostream.engine.state_slots import ZERO, ChunkState
 from nanostream.layers.attention_backend import AttentionMetadata
 from nanostream.layers.cache_spec import StateMetadata
+from nanostream.models.placeholder_embeds import PlaceholderEmbeds
 
 
 class Chunk(Protocol):
@@ -49,6 +50,7 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the hidden states whose logits are sampled (chunks that reach the end)
     states: StateMetadata | None = None  # the recurrent layers' (``pack_states``), where the runner asks
+    embeds: PlaceholderEmbeds | None = None  # image rows over their placeholder tokens (image_rows.py)
 
 
 class Uploads:

@@ -1,0 +1,128 @@
+"""A vision-language model's images in a step: the encoder's rows at the image tokens the step computes, and the
+M-RoPE positions of its rows.
+
+The images a step's chunks reach that the cache lacks are encoded together (in batches of at most ``max_patches``
+patches), on the runner's device; each image's rows are kept by its key (a hash of its grid and pixels, so an
+image sent again, in a later turn or by another client, is encoded once) until ``budget_rows`` rows are held,
+least recently used out. A chunk may cut an image anywhere: it takes the rows of the tokens it computes.
+
+Positions: a text token's three M-RoPE axes are equal, so a step whose rows all have equal axes (decode rows, text)
+keeps one position a row (the decode CUDA graphs' shape) at its index + the sequence's delta; a step with image
+rows gets [3, T].
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from nanostream.config import EngineConfig
+from nanostream.engine.images import SeqImage
+from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, to_device
+from nanostream.models import PlaceholderEmbeds
+from nanostream.models.vision import mrope_positions_range
+from nanostream.models.vision.tower import VisionTower
+
+
+class ImageRows:
+    """The encoder of one runner and its cache of image rows (see the module docstring)."""
+
+    def __init__(self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int) -> None:
+        self.encoder = encoder
+        self.budget_rows, self.max_patches = budget_rows, max_patches
+        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> its rows [tokens, hidden]
+        self.rows_held = 0
+        self.images_encoded = 0
+
+    @classmethod
+    def of(cls, tower: VisionTower, path: Path, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+        """The tower's encoder on ``device``; its cache holds a step's worth of rows (max_num_batched_tokens)."""
+        encoder = tower.build(path, dtype=dtype, device=device, load_format=config.load_format)
+        return cls(encoder, budget_rows=config.max_num_batched_tokens, max_patches=4 * config.max_num_batched_tokens)
+
+    def step_inputs(self, chunks: list[Chunk], inputs: StepInputs, uploads: Uploads | None = None) -> StepInputs:
+        """``inputs`` (``pack_step``'s) with the images' rows and M-RoPE positions, where some chunk's sequence has
+        images; else unchanged."""
+        if all(c.seq.images is None for c in chunks):
+            return inputs
+        device = inputs.input_ids.device
+        positions = self._positions(chunks, device, uploads)
+        return inputs._replace(positions=positions if positions is not None else inputs.positions,
+                               embeds=self._embeds(chunks, device, uploads))  # fmt: skip
+
+    def _embeds(self, chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> PlaceholderEmbeds | None:
+        wanted: list[tuple[SeqImage, int, int]] = []  # (image, its first row wanted, its end)
+        index: list[int] = []  # the step's rows they replace
+        row = 0
+        for chunk in chunks:
+            start, end = chunk.start, chunk.start + chunk.num_new_tokens
+            for image in chunk.seq.images.images if chunk.seq.images is not None else ():
+                lo, hi = max(start, image.offset), min(end, image.end)
+                if lo < hi:
+                    wanted.append((image, lo - image.offset, hi - image.offset))
+                    index += range(row + lo - start, row + hi - start)
+            row += chunk.num_new_tokens
+        if not wanted:
+            return None
+        missing = {image.key: image for image, _, _ in wanted if image.key not in self.cache}
+        if missing:
+            self._encode(list(missing.values()), device)
+        rows = torch.cat([self.cache[image.key][lo:hi] for image, lo, hi in wanted])
+        used = {image.key for image, _, _ in wanted}
+        for key in used:
+            self.cache.move_to_end(key)
+        self._evict(keep=used)
+        return PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows)
+
+    @torch.inference_mode()
+    def _encode(self, images: list[SeqImage], device: torch.device) -> None:
+        dtype = next(self.encoder.parameters()).dtype
+        batch: list[SeqImage] = []
+        for k, image in enumerate(images):
+            batch.append(image)
+            patches = sum(i.grid[0] * i.grid[1] * i.grid[2] for i in batch)
+            ahead = images[k + 1].grid if k + 1 < len(images) else None
+            if ahead is None or patches + ahead[0] * ahead[1] * ahead[2] > self.max_patches:
+                pixels = torch.cat([i.rows() for i in batch]).to(device=device, dtype=dtype, non_blocking=True)
+                out = self.encoder(pixels, [i.grid for i in batch])
+                for i, (rows, _) in zip(batch, out.split(), strict=True):
+                    self.cache[i.key] = rows
+                    self.rows_held += rows.shape[0]
+                self.images_encoded += len(batch)
+                batch = []
+
+    def _evict(self, keep: set[bytes]) -> None:
+        for key in list(self.cache):
+            if self.rows_held <= self.budget_rows:
+                break
+            if key not in keep:
+                self.rows_held -= self.cache.pop(key).shape[0]
+
+    @staticmethod
+    def _positions(chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> torch.Tensor | None:
+        """The step's positions: [T], or [3, T] where an image row's axes differ; None where no sequence of the
+        step has M-RoPE positions (pack_step's stand)."""
+        if all(c.seq.images is None or c.seq.images.positions is None for c in chunks):
+            return None
+        flat: list[int] = []  # a row's position where its three axes are equal (its first axis', else)
+        spread: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of the chunks whose axes differ
+        for chunk in chunks:
+            images, start, n = chunk.seq.images, chunk.start, chunk.num_new_tokens
+            if images is None or images.positions is None:
+                flat += range(start, start + n)
+            elif n == 1 and start >= images.positions.shape[1]:  # a decode row: past the prompt
+                flat.append(start + images.delta)
+            else:
+                part = mrope_positions_range(images.positions, images.delta, start, start + n)
+                if not (torch.equal(part[0], part[1]) and torch.equal(part[0], part[2])):
+                    spread.append((len(flat), part))
+                flat += part[0].tolist()
+        positions = to_device(flat, torch.int64, device, uploads)
+        if not spread:
+            return positions
+        positions = positions.expand(3, -1).clone()
+        for row, part in spread:
+            positions[:, row : row + part.shape[1]] = part.to(device)
+        return positions

@@ -1,0 +1,56 @@
+"""Which checkpoints take images, and the vision tower each runs: read from config.json, built on a device.
+
+    tower = vision_tower(read_model_config(path))  # None: text only (or a tower nanostream does not run yet)
+    encoder = tower.build(path, dtype=torch.bfloat16, device="cuda", load_format="auto")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanostream.models.vision.qwen_vit import QwenVisionEncoder
+from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec
+from nanostream.models.vision.weights import load_vision_weights
+
+log = logging.getLogger(__name__)
+
+QWEN_TOWERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+"""Wrappers whose vision tower runs: the Qwen3.5 / 3.6 encoder, M-RoPE positions in the language model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTower:
+    """A checkpoint's vision encoder and how its images sit in a prompt: each image is ``t*h*w / merge²``
+    consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace."""
+
+    spec: QwenVisionSpec
+    image_token_id: int
+
+    @property
+    def merge(self) -> int:
+        return self.spec.spatial_merge_size
+
+    def build(self, path: Path, *, dtype: torch.dtype, device: torch.device | str, load_format: str) -> torch.nn.Module:
+        """The encoder with the checkpoint's weights (random ones for ``load_format="dummy"``), in eval mode."""
+        with torch.device(device):
+            encoder = QwenVisionEncoder(self.spec)
+        if load_format != "dummy":
+            load_vision_weights(encoder, Path(path))
+        return encoder.to(dtype).eval()
+
+
+def vision_tower(model: Any) -> VisionTower | None:
+    """The tower of ``model`` (a ``ModelConfig``: its architecture and whole config), or None where the checkpoint
+    has none that runs; a multimodal wrapper whose tower does not run yet is logged (its language model runs)."""
+    config = model.hf_config
+    vision = getattr(config, "vision_config", None)
+    if model.architecture not in QWEN_TOWERS or vision is None:
+        if vision is not None:
+            log.info("%s: its vision tower does not run yet; text prompts only", model.architecture)
+        return None
+    return VisionTower(QwenVisionSpec.from_config(vision), int(config.image_token_id))

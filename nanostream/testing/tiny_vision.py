@@ -1,0 +1,54 @@
+"""The vision side of the tiny vision-language models (testing/tiny_model.py): their vision tower's config, their
+image placeholder tokens, and transformers' own image processor at the tiny tower's patch size."""
+
+from __future__ import annotations
+
+TINY_QWEN_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
+)
+"""The Qwen3.5 vision tower of a tiny model: one block; its merger's width is set to the language model's."""
+VISION_TOKENS = {
+    "Qwen3_5ForConditionalGeneration": dict(
+        vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>",
+        image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+    )
+}  # fmt: skip
+"""The tiny vision-language models whose images run: their placeholder tokens, added to the tiny tokenizer."""
+
+
+def with_vision_tokens(tokenizer, architecture: str):
+    """``tokenizer`` with the placeholder tokens of ``architecture``'s images, where its images run."""
+    if architecture in VISION_TOKENS:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS[architecture].values())})
+    return tokenizer
+
+
+def image_processor(config):
+    """transformers' image processor of a tiny Qwen vision-language model (its PIL backend): images resized to
+    multiples of patch x merge pixels, between 16x16 and 64x64 pixels' worth."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    vision = config.vision_config
+    unit = vision.patch_size * vision.spatial_merge_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size, size={"shortest_edge": 4 * unit**2, "longest_edge": 64 * unit**2},
+    )  # fmt: skip
+
+
+def vision_token_ids(architecture: str) -> tuple[dict[str, int], int] | None:
+    """The config's placeholder token ids (``image_token_id``, ...) of a tiny model whose images run, and its
+    vocabulary's size with them; None for any other architecture."""
+    if architecture not in VISION_TOKENS:
+        return None
+    from nanostream.testing.tokenizer import build_tokenizer
+
+    tokenizer = with_vision_tokens(build_tokenizer(), architecture)
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS[architecture].items()}
+    return ids, len(tokenizer)
+
+
+def save_image_processor(config, architecture: str, path) -> None:
+    """Write transformers' image processor of a tiny model whose images run into its directory (else nothing)."""
+    if architecture in VISION_TOKENS:
+        image_processor(config).save_pretrained(path)

@@ -1,0 +1,168 @@
+"""Images through the engine (issue 58): a tiny random Qwen3.5 vision-language checkpoint (every tensor drawn), images
+prepared by transformers' own image processor, greedy float32 tokens identical to transformers' model on the same
+inputs; chunks that cut an image, two images in a prompt, the encoder cache and prefix hits over images (the same
+text with another image hits nothing of it), and the engine's refusals of images that do not fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+from transformers import Qwen3_5ForConditionalGeneration as HFModel
+
+from nanostream import InvalidRequestError, SamplingParams
+from nanostream.config import EngineConfig
+from nanostream.engine.llm_engine import LLMEngine
+from nanostream.protocol import ImageInput
+from nanostream.testing import TINY_PRESETS, make_tiny_model
+
+ENGINE = dict(device="cpu", dtype="float32", kvcache_block_size=8, state_snapshot_interval=16)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(directory, transformers model, image processor, placeholder ids) of the tiny Qwen3.5 vision-language model."""
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5_vl"), **TINY_PRESETS["qwen3_5_vl"])
+    config = AutoConfig.from_pretrained(path)
+    ids = dict(image=config.image_token_id, start=config.vision_start_token_id, end=config.vision_end_token_id)
+    hf = HFModel.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf, AutoImageProcessor.from_pretrained(path), ids
+
+
+def _image(h, w, seed):
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
+
+
+def _request(vl, parts, seed=0):
+    """(prompt ids, [ImageInput], pixel_values, grids) of text runs (ints: that many random tokens) and images."""
+    _, _, processor, tok = vl
+    rng = np.random.default_rng(seed)
+    ids, images, pixels, grids = [], [], [], []
+    for part in parts:
+        if isinstance(part, int):
+            ids += rng.integers(0, 500, part).tolist()
+            continue
+        out = processor(images=[part], return_tensors="pt")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0])
+        n = grid[0] * grid[1] * grid[2] // 4
+        ids.append(tok["start"])
+        images.append(ImageInput(len(ids), grid, out["pixel_values"].numpy().astype("<f4").tobytes()))
+        ids += [tok["image"]] * n + [tok["end"]]
+        pixels.append(out["pixel_values"])
+        grids.append(grid)
+    return ids, images, (torch.cat(pixels) if pixels else None), grids
+
+
+@torch.inference_mode()
+def _hf_greedy(vl, ids, pixels, grids, n):
+    """transformers' greedy tokens: the whole sequence through its model at every step (no cache to go wrong)."""
+    hf, image = vl[1], vl[3]["image"]
+    seq = list(ids)
+    for _ in range(n):
+        input_ids = torch.tensor([seq])
+        extra = {}
+        if pixels is not None:
+            extra = dict(pixel_values=pixels, image_grid_thw=torch.tensor(grids),
+                         mm_token_type_ids=(input_ids == image).int())  # fmt: skip
+        seq.append(int(hf(input_ids=input_ids, **extra).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+def _engine(vl, **options):
+    return LLMEngine(EngineConfig(str(vl[0]), **{**ENGINE, **options}))
+
+
+def _run(engine, requests, n):
+    """Each (prompt ids, images) request's greedy tokens and cached prompt tokens, run together."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, (ids, images) in enumerate(requests):
+        engine.add_request(f"r{i}", ids, params, images)
+    tokens, cached = {}, {}
+    while engine.has_unfinished():
+        for delta in engine.step().deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if delta.usage is not None:
+                cached[delta.request_id] = delta.usage.cached_tokens
+    keys = [f"r{i}" for i in range(len(requests))]
+    return [tokens[k] for k in keys], [cached.get(k, 0) for k in keys]
+
+
+REQUESTS = {
+    "one image": [5, _image(40, 56, 1), 7],
+    "image first and last": [_image(48, 32, 2)],
+    "two images, tall and wide": [3, _image(64, 16, 3), 4, _image(24, 72, 4), 6],
+    "text only": [23],
+}
+
+
+def test_greedy_tokens_with_images_equal_transformers(vl):
+    requests = [_request(vl, parts, seed=i) for i, parts in enumerate(REQUESTS.values())]
+    got, _ = _run(_engine(vl), [(ids, images) for ids, images, _, _ in requests], 12)
+    for name, (ids, _, pixels, grids), tokens in zip(REQUESTS, requests, got, strict=True):
+        assert tokens == _hf_greedy(vl, ids, pixels, grids, 12), name
+
+
+def test_chunks_that_cut_images_and_preemption_give_the_same_tokens(vl):
+    requests = [_request(vl, parts, seed=i) for i, parts in enumerate(REQUESTS.values())]
+    whole, _ = _run(_engine(vl), [(ids, images) for ids, images, _, _ in requests], 12)
+    engine = _engine(vl, max_num_batched_tokens=13, max_num_seqs=2, num_kvcache_blocks=12)
+    chunked, _ = _run(engine, [(ids, images) for ids, images, _, _ in requests], 12)
+    assert chunked == whole
+    assert engine.stats().steps["mixed"] + engine.stats().steps["prefill"] > len(requests)
+
+
+def test_a_repeated_image_is_encoded_once_and_hits_the_prefix_cache_another_image_does_not(vl):
+    first = _request(vl, [9, _image(40, 56, 5), 20], seed=7)
+    engine = _engine(vl)
+    _run(engine, [first[:2]], 4)
+    assert engine.runner.images.images_encoded == 1
+    again, cached = _run(engine, [first[:2]], 8)  # the same prompt: its blocks up to the last snapshot
+    assert engine.runner.images.images_encoded == 1 and cached[0] >= 16
+    assert again[0] == _hf_greedy(vl, first[0], first[2], first[3], 8)
+    other = _request(vl, [9, _image(40, 56, 6), 20], seed=7)  # the same token ids, another image
+    assert other[0] == first[0]
+    tokens, cached = _run(engine, [other[:2]], 8)
+    assert cached[0] <= 8  # the one block before the image
+    assert tokens[0] == _hf_greedy(vl, other[0], other[2], other[3], 8)
+    assert engine.runner.images.images_encoded == 2
+
+
+def _refusal(engine, ids, images):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("bad", ids, SamplingParams(max_tokens=2), images)
+    return str(info.value)
+
+
+def test_images_that_do_not_fit_are_refused_and_the_engine_serves_on(vl):
+    engine = _engine(vl, limit_images_per_prompt=2)
+    ids, (image,), _, _ = _request(vl, [4, _image(40, 56, 8), 3])
+    t, h, w = image.grid
+    nan = np.frombuffer(image.pixels, dtype="<f4").copy()
+    nan[5] = np.nan
+    cases = {
+        "no placeholders": (ids[:4], [image], "overlap the image before it or run past"),
+        "placeholders, no image": (ids, [], "but no images"),
+        "too many": (ids, [image] * 3, "at most 2 images"),
+        "short pixels": (ids, [ImageInput(image.offset, image.grid, image.pixels[:-4])], "bytes of pixel rows"),
+        "odd grid": (ids, [ImageInput(image.offset, (t, h + 1, w), image.pixels)], "multiples of 2"),
+        "huge grid": (ids, [ImageInput(image.offset, (1, 2**40, 2**40), image.pixels)], "bytes of pixel rows"),
+        "NaN": (ids, [ImageInput(image.offset, image.grid, nan.tobytes())], "NaN"),
+        "wrong offset": (ids, [ImageInput(image.offset + 1, image.grid, image.pixels)], "placeholder tokens"),
+        "negative offset": (ids, [ImageInput(-3, image.grid, image.pixels)], "negative"),
+    }
+    for name, (prompt, images, says) in cases.items():
+        assert says in _refusal(engine, prompt, images), name
+    assert not engine.has_unfinished()
+    tokens, _ = _run(engine, [(ids, [image])], 4)
+    assert len(tokens[0]) == 4
+
+
+def test_a_text_model_refuses_images(tmp_path, vl):
+    text = make_tiny_model(tmp_path, **TINY_PRESETS["qwen3_5"])
+    ids, images, _, _ = _request(vl, [4, _image(40, 56, 8), 3])
+    engine = LLMEngine(EngineConfig(str(text), **ENGINE))
+    ids = [t % 500 for t in ids]
+    assert "takes no images" in _refusal(engine, ids, images)
+    assert AutoTokenizer.from_pretrained(text) is not None
