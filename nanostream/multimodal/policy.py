@@ -88,9 +88,13 @@ def check_bytes(size: int, policy: ImagePolicy, what: str) -> None:
     """Refuse ``size`` encoded bytes of image ``what`` when over ``policy.max_image_bytes``."""
     if size > policy.max_image_bytes:
         raise ImageError(
-            f"{what} is {size / MiB:.3g} MiB or more encoded, over the server's limit of "
-            f"{policy.max_image_bytes / MiB:.3g} MiB; send a smaller or more compressed image"
+            f"{what} is {_bytes(size)} or more encoded, over the server's limit of "
+            f"{_bytes(policy.max_image_bytes)}; send a smaller or more compressed image"
         )
+
+
+def _bytes(n: int) -> str:
+    return f"{n / MiB:.3g} MiB" if n >= MiB else f"{n} bytes"
 
 
 def _domain(name: str) -> str:

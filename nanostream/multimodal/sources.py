@@ -97,7 +97,9 @@ def _decode(data: bytes, policy: ImagePolicy, what: str) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{what} is too large to decode ({exc}); send a smaller image") from exc
     except UnidentifiedImageError as exc:
-        raise ImageError(f"{what} is not an image this server reads; send a PNG, JPEG, WebP, GIF, BMP or TIFF") from exc
+        raise ImageError(
+            f"{what} is in no image format this server reads; send a PNG, JPEG, WebP, GIF, BMP or TIFF"
+        ) from exc
     except _DECODE_ERRORS as exc:
         raise ImageError(f"{what} could not be read as an image ({exc}); send an intact image file") from exc
     _check_pixels(image.size, policy, what)  # the header's size: nothing is decoded before this
