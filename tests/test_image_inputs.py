@@ -202,9 +202,6 @@ def test_local_files_only_under_the_allowed_directory(tmp_path):
     assert load_image(outside / "b.png", ImagePolicy.trusted()).size == (9, 5)
 
 
-# http(s)
-
-
 class _Handler(http.server.BaseHTTPRequestHandler):
     png = _encode(_rgb(12, 8), "PNG")
 
@@ -249,9 +246,6 @@ def test_urls_are_fetched_only_from_allowed_domains(server):
     for big, size in [("big.png", len(_Handler.png) + 4096), ("big-unsized.png", 2049)]:  # Content-Length, or read
         _refused(f"{server}/{big}", small, f"is {size} bytes or more encoded, over the server's limit of 2048 bytes")
     _refused("ftp://127.0.0.1/cat.png", policy, "ftp: URLs are not read")
-
-
-# chat messages
 
 
 # the rule of Qwen's published chat templates for a content part, in a few lines of our own
