@@ -1,0 +1,136 @@
+"""An image as the engine takes it: the checkpoint's own transformers image processor, run on one image.
+
+``ImagePreparer.from_pretrained(model_dir)`` reads the checkpoint's ``preprocessor_config.json`` with
+``AutoImageProcessor`` (its PIL backend; nothing here resizes or normalises by itself)::
+
+    preparer = ImagePreparer.from_pretrained("/models/Qwen3.5-9B")     # None for a text-only checkpoint
+    images = [preparer.prepare(load_image(s, policy)) for s in sources]
+    prompt = preparer.expand_placeholders(template_ids, images)        # one image token -> num_tokens
+
+The Qwen family only for now (Qwen2.5-VL, Qwen3-VL, Qwen3.5/3.6: the ``Qwen2VLImageProcessor`` family, whose
+``pixel_values`` rows are the patches of all images one after another and ``image_grid_thw`` their grids).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from PIL import Image
+
+from nanostream.errors import ModelLoadError
+from nanostream.multimodal.policy import ImageError
+
+PROCESSOR_FILE = "preprocessor_config.json"
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedImage:
+    """One image, processed: what the engine's vision encoder takes, and the room it fills in the prompt."""
+
+    pixels: np.ndarray
+    """[N, D] float32: the processor's ``pixel_values`` rows of this image (N = t * h * w patches)."""
+    grid: tuple[int, int, int]
+    """(t, h, w): the processor's ``image_grid_thw`` row, in patches."""
+    num_tokens: int
+    """Placeholder tokens the image takes in the prompt: t * h * w // merge_size**2."""
+    digest: bytes
+    """xxh3-128 of the grid and the pixels: two images share it only when the encoder sees the same input
+    (for the prefix cache, whose token ids alone are the same for every image of one size)."""
+
+
+class ImagePreparer:
+    """A checkpoint's image processor and image token, for the Qwen family's placeholder scheme."""
+
+    def __init__(self, processor: Any, *, image_token_id: int, merge_size: int) -> None:
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.merge_size = merge_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> ImagePreparer | None:
+        """The checkpoint's preparer, or None when it takes no images (no vision config or no
+        ``preprocessor_config.json``). A vision checkpoint of another family raises ``ModelLoadError``:
+        a caller that serves its text anyway catches it and keeps the message for requests with images."""
+        from transformers import AutoConfig, AutoImageProcessor  # transformers is slow to import
+
+        path = Path(model_dir)
+        config = AutoConfig.from_pretrained(path)
+        vision = getattr(config, "vision_config", None)
+        if vision is None or not (path / PROCESSOR_FILE).is_file():
+            return None
+        architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # torchvision is optional
+        kind = type(processor).__name__
+        image_token_id = getattr(config, "image_token_id", None)
+        if not kind.startswith("Qwen2VLImageProcessor") or image_token_id is None:
+            raise ModelLoadError(
+                f"images are not supported for {architecture} yet (its image processor is {kind}); nanostream "
+                "takes images for the Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5); send this model text only"
+            )
+        merge_size = getattr(vision, "spatial_merge_size", None)
+        if merge_size != processor.merge_size:
+            raise ModelLoadError(
+                f"{path}: {PROCESSOR_FILE} merges {processor.merge_size}x{processor.merge_size} patches, the "
+                f"vision config {merge_size}x{merge_size}; is the checkpoint's {PROCESSOR_FILE} its own?"
+            )
+        return cls(processor, image_token_id=int(image_token_id), merge_size=int(merge_size))
+
+    def prepare(self, image: Image.Image) -> PreparedImage:
+        """One RGB image (``load_image``'s) through the processor, alone: the same rows it gives this image
+        in a batch of several."""
+        out = self.processor(images=[image], return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # [N, D]
+        (t, h, w), n = (int(x) for x in out["image_grid_thw"][0]), pixels.shape[0]
+        assert out["image_grid_thw"].shape == (1, 3) and t * h * w == n, (out["image_grid_thw"], pixels.shape)
+        grid = (t, h, w)
+        digest = xxhash.xxh3_128(np.asarray(grid, dtype=np.int64).tobytes() + pixels.tobytes()).digest()
+        return PreparedImage(pixels, grid, n // self.merge_size**2, digest)
+
+    def expand_placeholders(self, token_ids: list[int], images: list[PreparedImage]) -> list[int]:
+        """``token_ids`` with the k-th image's placeholder widened to ``images[k].num_tokens`` image tokens.
+
+        The chat template writes one image token per image. A run of image tokens that is already as long
+        as its image's ``num_tokens`` is kept as it is (ids expanded before, by nanostream or transformers'
+        processor), so expanding twice changes nothing. Any other run, or a number of placeholders unlike the
+        number of images, is an ``ImageError``. Adjacent single placeholders (``<image><image>``, a raw
+        prompt's) count as one image each when the prompt holds exactly as many image tokens as images."""
+        token = self.image_token_id
+        runs = _runs(token_ids, token)  # [(start, length)] of image tokens
+        if sum(length for _, length in runs) == len(images):
+            runs = [(start + i, 1) for start, length in runs for i in range(length)]
+        if len(runs) != len(images):
+            raise ImageError(
+                f"the prompt holds {len(runs)} image placeholders for {len(images)} images; put one image token "
+                f"(id {token}, the chat template's image part) where each image goes, or send messages with "
+                "image parts for the chat template to place"
+            )
+        out: list[int] = []
+        end = 0
+        for k, ((start, length), image) in enumerate(zip(runs, images)):
+            if length not in (1, image.num_tokens):
+                raise ImageError(
+                    f"image {k + 1}'s placeholder is {length} image tokens; it takes one (to be expanded) or "
+                    f"exactly {image.num_tokens} (its grid {image.grid} merged {self.merge_size}x{self.merge_size})"
+                )
+            out += token_ids[end:start]
+            out += [token] * image.num_tokens
+            end = start + length
+        return out + token_ids[end:]
+
+
+def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of ``token`` in ``token_ids``."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(token_ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
