@@ -19,6 +19,9 @@ from nanostream.client.samples import SampleGroup
 from nanostream.config import EngineConfig
 from nanostream.engine.grammar_text import parse as parse_grammar
 from nanostream.engine.llm_engine import LLMEngine
+from nanostream.errors import InvalidRequestError
+from nanostream.multimodal import ImagePolicy, split_image_parts
+from nanostream.multimodal.request import load_preparer, prompt_images
 from nanostream.outputs import RequestOutput
 from nanostream.sampling_params import SamplingParams
 
@@ -44,6 +47,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_config))
         self.config = self.engine.config
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
+        self.image_preparer, self._no_images = load_preparer(self.engine.model_path)  # None: text only
+        self.image_policy = ImagePolicy.trusted()  # local files anywhere; http(s) URLs with allowed_domains only
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -63,7 +68,10 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs come in prompt order.
+        """Generate for each prompt (a string or a list of token ids); outputs come in prompt order. A prompt with
+        images (a vision-language model) is a dict, ``{"prompt": text or ids, "multi_modal_data": {"image": [...]}}``,
+        one image token (Qwen's ``<|image_pad|>``) where each image goes; an image is a PIL image, bytes, a path or a
+        data URL.
 
         Every prompt is checked before any runs: a bad one raises ``InvalidRequestError`` (a
         ``ValueError``) and the engine is left as it was. If a step fails (an internal error),
@@ -100,18 +108,15 @@ class LLM:
             raise ValueError(
                 f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one, or one per prompt"
             )
-        requests = [
-            (
-                f"offline-{next(self._ids)}",
-                prompt if isinstance(prompt, str) else None,
-                prompt_ids(self.tokenizer, prompt, self.engine.vocab_size),
-                p,
-            )
-            for prompt, p in zip(prompts, params)
-        ]
+        requests = []
+        for prompt, p in zip(prompts, params):
+            prompt, sources = _with_images(prompt)
+            ids = prompt_ids(self.tokenizer, prompt, self.engine.vocab_size)
+            ids, images = prompt_images(ids, sources, self.image_preparer, self.image_policy, self._no_images)
+            requests.append((f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, p, images))
         if reasoning_parser is not None:
             get_reasoning_parser(reasoning_parser)  # raises ValueError for an unknown name
-        for spec in {p.structured_outputs for _, _, _, p in requests if p.structured_outputs is not None}:
+        for spec in {r[3].structured_outputs for r in requests if r[3].structured_outputs is not None}:
             parse_grammar(spec)  # InvalidRequestError now, rather than after others have run
         return self._run(requests, use_tqdm, reasoning_parser)
 
@@ -135,17 +140,14 @@ class LLM:
             llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"enable_thinking": False})
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        rendered = [
-            render_chat(
-                self.tokenizer,
-                c,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs,
-                require_template=True,
-            )
-            for c in conversations
-        ]
+        rendered = []
+        for conversation in conversations:
+            conversation, sources = split_image_parts(conversation)  # image parts: {"type": "image"} for the template
+            ids = render_chat(
+                self.tokenizer, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs, require_template=True,
+            )  # fmt: skip
+            rendered.append({"prompt": ids, "multi_modal_data": {"image": sources}} if sources else ids)
         return self._generate(rendered, sampling_params, use_tqdm, reasoning_parser)
 
     def _run(self, requests: list, use_tqdm: bool, reasoning_parser: str | None) -> list[RequestOutput]:
@@ -153,8 +155,9 @@ class LLM:
             SampleGroup(
                 rid, self.tokenizer, [ids], p, reasoning_parser=reasoning_parser, incremental=False, collect=True
             )
-            for rid, _, ids, p in requests
+            for rid, _, ids, p, _ in requests
         ]
+        images = {s.request_id: r[4] for group, r in zip(groups, requests) for s in group.samples}
         samples = {s.request_id: (group, s) for group in groups for s in group.samples}  # by engine request id
         # Validated, now added (a bad prompt left the engine untouched). Of n > 1 samples the first goes
         # now, the others once it has a token (client/samples.py).
@@ -162,7 +165,7 @@ class LLM:
         try:
             for group in groups:
                 for sample in group.leaders:
-                    self.engine.add_request(sample.request_id, sample.prompt, sample.params)
+                    self.engine.add_request(sample.request_id, sample.prompt, sample.params, images[sample.request_id])
                     pending.add(sample.request_id)
         except Exception:
             for rid in pending:
@@ -179,7 +182,8 @@ class LLM:
                 for delta in result.deltas:
                     group, sample = samples[delta.request_id]
                     for follower in group.followers_of(sample):  # its prompt's blocks are cached now
-                        self.engine.add_request(follower.request_id, follower.prompt, follower.params)
+                        rid = follower.request_id
+                        self.engine.add_request(rid, follower.prompt, follower.params, images[rid])
                         pending.add(follower.request_id)
                     sample.processor.put(delta)
                     chunk, stop_now = group.take(sample)  # raises for a request the engine failed (see finally)
@@ -205,5 +209,21 @@ class LLM:
                 group.samples[0].processor.usage.cached_tokens,
                 group.prompt_logprobs(),
             )
-            for group, (_, text, ids, _) in zip(groups, requests)
+            for group, (_, text, ids, _, _) in zip(groups, requests)
         ]
+
+
+def _with_images(prompt: Any) -> tuple[Any, list]:
+    """(the prompt itself, its image sources) of a prompt, or of a dict with images (vLLM's form:
+    ``{"prompt": ..., "multi_modal_data": {"image": one or a list}}``; ``prompt_token_ids`` for ``prompt``)."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    data = prompt.get("multi_modal_data") or {}
+    if unknown or not isinstance(data, dict) or set(data) - {"image"}:
+        raise InvalidRequestError(
+            'a prompt dict takes "prompt" (or "prompt_token_ids") and "multi_modal_data": {"image": ...}; got '
+            f"{sorted(unknown) or sorted(data) if isinstance(data, dict) else type(data).__name__}"
+        )
+    images = data.get("image", [])
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images if isinstance(images, list) else [images]

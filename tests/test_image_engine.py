@@ -166,3 +166,45 @@ def test_a_text_model_refuses_images(tmp_path, vl):
     ids = [t % 500 for t in ids]
     assert "takes no images" in _refusal(engine, ids, images)
     assert AutoTokenizer.from_pretrained(text) is not None
+
+
+def _data_url(image):
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _chat_reference(vl, text, image, n):
+    """transformers' greedy reply to one user message of ``text`` and ``image``: the template's ids with the image
+    token widened to the processor's grid, as transformers' own processor widens it."""
+    path, _, processor, tok = vl
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    content = [{"type": "text", "text": text}, {"type": "image"}]
+    messages = [{"role": "user", "content": content}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    out = processor(images=[image], return_tensors="pt")
+    grid = tuple(int(v) for v in out["image_grid_thw"][0])
+    at = ids.index(tok["image"])
+    ids = ids[:at] + [tok["image"]] * (grid[0] * grid[1] * grid[2] // 4) + ids[at + 1 :]
+    return _hf_greedy(vl, ids, out["pixel_values"], [grid], n)
+
+
+def test_llm_chat_and_generate_take_images_as_users_send_them(vl):
+    from nanostream import LLM
+
+    image = _image(40, 56, 9)
+    want = _chat_reference(vl, "What is in it?", image, 10)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    url = {"type": "image_url", "image_url": {"url": _data_url(image)}}
+    with LLM(str(vl[0]), **ENGINE) as llm:
+        (chat,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": "What is in it?"}, url]}], params,
+                           use_tqdm=False)  # fmt: skip
+        prompt = "<|im_start|>user\nWhat is in it?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        prompt += "<|im_start|>assistant\n"
+        (raw,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="1 image placeholders for 2 images"):
+            llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image, image]}}, params)
+    assert chat.token_ids == raw.token_ids == want

@@ -175,13 +175,16 @@ class Connection:
         prompt_token_ids: list[int],
         params: SamplingParams,
         timeout: float | None,
+        images: list[p.ImageInput] = (),
     ) -> None:
-        """Send one request; the reader fills ``mailbox`` with its deltas from now on."""
-        frame = p.encode(p.Add(request_id, prompt_token_ids, params, timeout))
+        """Send one request (with its prompt's ``images``, a vision-language model's); the reader fills ``mailbox``
+        with its deltas from now on."""
+        frame = p.encode(p.Add(request_id, prompt_token_ids, params, timeout, list(images)))
         limit = self._welcome.max_request_bytes
         if len(frame) > limit:
             raise InvalidRequestError(
                 f"the request is {len(frame)} bytes, over the engine's limit of {limit}; shorten the prompt"
+                + (" or send fewer or smaller images" if images else "")
             )
         await self._ready()
         if not self._dealer.send(frame):

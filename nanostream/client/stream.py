@@ -17,6 +17,7 @@ from nanostream.client.connection import Connection
 from nanostream.client.mailbox import Mailbox
 from nanostream.client.samples import Sample, SampleGroup
 from nanostream.outputs import Completion, StreamChunk
+from nanostream.protocol import ImageInput
 from nanostream.sampling_params import SamplingParams
 
 __all__ = ["Completion", "Stream", "StreamChunk"]
@@ -28,7 +29,7 @@ class Stream:
     The request is sent on the first ``__anext__`` (or on entering ``async with``). Leaving early
     (break, cancellation, ``aclose()``) aborts it in the engine. ``extra_prompts`` are completed with
     the same parameters in the same stream: sample j of prompt p has index ``p * n + j``. ``collect``
-    keeps every chunk, for ``completion()``.
+    keeps every chunk, for ``completion()``. ``images``: the first prompt's, as ``prompt_images`` made them.
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class Stream:
         reasoning_parser: str | None = None,
         extra_prompts: Sequence[list[int]] = (),
         collect: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> None:
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 10**9):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
@@ -50,6 +52,7 @@ class Stream:
         self.prompts = [prompt_token_ids, *extra_prompts]
         self.params = params
         self.timeout = timeout
+        self.images = list(images)  # the first prompt's (multimodal/request.py), sent with each of its samples
         self.group = SampleGroup(
             self.request_id,
             connection.tokenizer,
@@ -95,7 +98,10 @@ class Stream:
                 raise
 
     async def _send(self, sample: Sample) -> None:
-        await self.connection.submit(self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout)
+        images = self.images if sample.index < self.params.n else ()  # (samples of the first prompt)
+        await self.connection.submit(
+            self._mailbox, sample.request_id, sample.prompt, sample.params, self.timeout, images
+        )
         sample.sent = True
 
     async def __anext__(self) -> StreamChunk:

@@ -92,13 +92,19 @@ class ImagePreparer:
         return PreparedImage(pixels, grid, n // self.merge_size**2, digest)
 
     def expand_placeholders(self, token_ids: list[int], images: list[PreparedImage]) -> list[int]:
-        """``token_ids`` with the k-th image's placeholder widened to ``images[k].num_tokens`` image tokens.
+        """``place``'s token ids alone."""
+        return self.place(token_ids, images)[0]
+
+    def place(self, token_ids: list[int], images: list[PreparedImage]) -> tuple[list[int], list[int]]:
+        """(``token_ids`` with the k-th image's placeholder widened to ``images[k].num_tokens`` image tokens,
+        the index where each image's tokens start).
 
         The chat template writes one image token per image. A run of image tokens that is already as long
         as its image's ``num_tokens`` is kept as it is (ids expanded before, by nanostream or transformers'
         processor), so expanding twice changes nothing. Any other run, or a number of placeholders unlike the
         number of images, is an ``ImageError``. Adjacent single placeholders (``<image><image>``, a raw
-        prompt's) count as one image each when the prompt holds exactly as many image tokens as images."""
+        prompt's) count as one image each when the prompt holds exactly as many image tokens as images. The
+        second item: where each image's tokens start in the first."""
         token = self.image_token_id
         runs = _runs(token_ids, token)  # [(start, length)] of image tokens
         if sum(length for _, length in runs) == len(images):
@@ -110,6 +116,7 @@ class ImagePreparer:
                 "image parts for the chat template to place"
             )
         out: list[int] = []
+        offsets: list[int] = []
         end = 0
         for k, ((start, length), image) in enumerate(zip(runs, images)):
             if length not in (1, image.num_tokens):
@@ -118,9 +125,10 @@ class ImagePreparer:
                     f"exactly {image.num_tokens} (its grid {image.grid} merged {self.merge_size}x{self.merge_size})"
                 )
             out += token_ids[end:start]
+            offsets.append(len(out))
             out += [token] * image.num_tokens
             end = start + length
-        return out + token_ids[end:]
+        return out + token_ids[end:], offsets
 
 
 def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
