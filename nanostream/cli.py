@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the OpenAI API's reasoning parser (qwen3: <think> as reasoning_content)",
     )
     service.add_argument("--tool-call-parser", help="the OpenAI API's tool-call parser (default: hermes; none)")
+    service.add_argument(
+        "--allowed-media-domains", nargs="+", metavar="DOMAIN", help="the OpenAI API's image URLs' hosts"
+    )
+    service.add_argument("--allowed-local-media-path", metavar="DIR", help="the OpenAI API's images from local files")
     for what in ("responses", "response-bytes"):  # (defaults: the frontend's; `nanostream frontend openai --help`)
         service.add_argument(f"--max-stored-{what}", type=int, help=f"the Responses API's store: its most {what}")
     service.add_argument(

@@ -32,7 +32,7 @@ from nanostream.errors import ProtocolError
 from nanostream.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from nanostream.structured_outputs import MAX_GRAMMAR_CHARS
 
-PROTOCOL_VERSION = 6  # 3: structured outputs, logit bias, n, prompt logprobs; 4: after reasoning; 5: embeddings; 6: images
+PROTOCOL_VERSION = 6  # 3: structured outputs, logit bias, n, prompt logprobs; 4: reasoning; 5: embeddings; 6: images
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a hello reply carries the tokenizer files (Qwen's: ~11 MB)
 MAX_HELLO_BYTES = 8192  # what a peer that has not said hello may send: a hello, no more
 MAX_REQUEST_ID_CHARS = 256

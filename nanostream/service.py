@@ -82,10 +82,12 @@ def run_service(args: argparse.Namespace, model: str | None, options: dict) -> i
                 cmd += ["--workers", str(workers)]
             if name == "openai" and args.api_key:
                 cmd += ["--api-key", args.api_key]
-            options = ("reasoning_parser", "tool_call_parser", "max_stored_responses", "max_stored_response_bytes")
+            options = ("reasoning_parser", "tool_call_parser", "max_stored_responses", "max_stored_response_bytes",
+                       "allowed_media_domains", "allowed_local_media_path")  # fmt: skip
             for option in options:  # checked by the frontend's own parser
-                if name == "openai" and getattr(args, option, None) is not None:
-                    cmd += ["--" + option.replace("_", "-"), str(getattr(args, option))]
+                value = getattr(args, option, None)
+                if name == "openai" and value is not None:
+                    cmd += ["--" + option.replace("_", "-"), *map(str, value if isinstance(value, list) else [value])]
             children.append((f"the {what} frontend", subprocess.Popen(cmd, env=env)))
             processes = f" ({workers} server processes)" if workers > 1 else ""
             print(f"nanostream: {what} at http://{args.host}:{port}{path}{processes}", flush=True)

@@ -103,10 +103,10 @@ def outputs_at_one_and_two_ranks(path, prompts: list[list[int]], params, **optio
 
 
 @contextlib.contextmanager
-def served_openai(path, runtime_dir, monkeypatch) -> Iterator[tuple[object, list[str]]]:
+def served_openai(path, runtime_dir, monkeypatch, extra: tuple[str, ...] = ()) -> Iterator[tuple[object, list[str]]]:
     """``nanostream serve PATH --openai-port P`` on the CPU as a user starts it (a process of its own, its runtime
     files under ``runtime_dir``): yields an ``openai.OpenAI`` client on it and the lines serve printed up to its
-    ready line; stopped by SIGTERM after, which it must answer with exit code 0."""
+    ready line; stopped by SIGTERM after, which it must answer with exit code 0. ``extra``: more of serve's options."""
     import signal
     import subprocess
     import sys
@@ -119,7 +119,7 @@ def served_openai(path, runtime_dir, monkeypatch) -> Iterator[tuple[object, list
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "nanostream", "serve", str(path), "--device", "cpu", "--max-model-len", "256",
-           "--kvcache-block-size", "16", "--openai-port", str(port)]  # fmt: skip
+           "--kvcache-block-size", "16", "--openai-port", str(port), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     said = []  # what serve prints up to its ready line
     try:

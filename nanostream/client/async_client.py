@@ -27,6 +27,9 @@ from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish
 from nanostream.client.prompts import as_prompts, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
+from nanostream.client.tokenizer_cache import load_image_preparer
+from nanostream.multimodal import ImagePolicy, split_image_parts
+from nanostream.multimodal.request import prompt_images
 from nanostream.outputs import Completion, Embeddings
 from nanostream.sampling_params import SamplingParams
 
@@ -51,6 +54,7 @@ class AsyncClient:
 
     def __init__(self, address: str | None = None, *, timeout: float = 10.0, auth_token: str | None = None) -> None:
         self.connection = Connection(address, timeout=timeout, auth_token=auth_token)
+        self._images: tuple[str, Any, str] | None = None  # (tokenizer digest, image preparer, refusal): image_preparer
 
     async def connect(self) -> None:
         """Connect (``async with`` does): EngineDeadError if no engine answers within ``timeout``."""
@@ -157,7 +161,9 @@ class AsyncClient:
         ``tools`` (OpenAI's function definitions) and ``chat_template_kwargs`` (the template's own
         options) go to the template, with the messages as given (an assistant's ``tool_calls``, ``tool``
         messages). ``reasoning_parser`` ("qwen3") puts the ``<think>`` part of the reply in each chunk's
-        ``reasoning_content`` and the rest in ``text``. A model without a chat template gets a plain
+        ``reasoning_content`` and the rest in ``text``. A vision-language model takes image parts in the messages
+        (``{"type": "image_url", "image_url": {"url": "data:..."}}``, or ``{"type": "image", "image": ...}`` with a
+        PIL image, bytes or a path). A model without a chat template gets a plain
         "role: content" transcript ending in "assistant:". Example::
 
             client.chat(msgs, chat_template_kwargs={"enable_thinking": False}, reasoning_parser="qwen3")
@@ -165,6 +171,7 @@ class AsyncClient:
         self.connection.check_reachable()
         if reasoning_parser is not None:
             get_reasoning_parser(reasoning_parser)  # an unknown name: ValueError now
+        messages, sources = split_image_parts(messages)
         ids = render_chat(
             self.tokenizer,
             messages,
@@ -172,8 +179,20 @@ class AsyncClient:
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
+        images = []
+        if sources:  # (a vision-language model's: prepared here, on this process's CPU)
+            preparer, refusal = self.image_preparer()
+            ids, images = prompt_images(ids, sources, preparer, ImagePolicy.trusted(), refusal)
         params = self._params(sampling_params, sampling_kwargs)
-        return Stream(self.connection, ids, params, timeout, reasoning_parser=reasoning_parser)
+        return Stream(self.connection, ids, params, timeout, reasoning_parser=reasoning_parser, images=images)
+
+    def image_preparer(self) -> tuple[Any, str]:
+        """(the engine's model's image preparer, None for a text model; what a request with images is told then),
+        loaded once from the files the engine's welcome carried."""
+        digest = self.connection.welcome.tokenizer_digest  # (another engine after a reconnection: its own)
+        if self._images is None or self._images[0] != digest:
+            self._images = (digest, *load_image_preparer(digest))
+        return self._images[1:]
 
     async def generate(
         self,

@@ -35,3 +35,14 @@ def load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
         with contextlib.suppress(OSError):  # another process got there first
             tmp.rename(path)
     return AutoTokenizer.from_pretrained(path if path.is_dir() else tmp)
+
+
+def load_image_preparer(digest: str) -> tuple[Any, str]:
+    """The engine's image preparer, from the files its welcome carried (a vision-language model's processor and
+    config beside the tokenizer's), and what a request with images is told where there is none."""
+    from nanostream.multimodal.request import NO_IMAGES, load_preparer
+
+    path = _CACHE / digest
+    if not (path / "preprocessor_config.json").is_file():
+        return None, NO_IMAGES
+    return load_preparer(path)

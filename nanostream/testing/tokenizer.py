@@ -65,8 +65,8 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 """A Qwen3-style ChatML template (nanostream's own wording): a message's content a string or a list of text and
-image parts (an image as Qwen's ``<|vision_start|><|image_pad|><|vision_end|>``), tools in the system turn, tool calls as
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, tool results as ``<tool_response>`` in a
+image parts (an image as Qwen's ``<|vision_start|><|image_pad|><|vision_end|>``), tools in the system turn, tool
+calls as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, tool results as ``<tool_response>`` in a
 user turn, an assistant's recent ``reasoning_content`` as ``<think>``, and ``enable_thinking=False``
 closing an empty ``<think>`` block at the start of the reply. Plain conversations render as ChatML."""
 

@@ -84,7 +84,7 @@ class RequestBook:
             return
         engine_id = _engine_id(client.identity, rid)
         try:
-            self.engine.add_request(engine_id, add.prompt_token_ids, add.params)
+            self.engine.add_request(engine_id, add.prompt_token_ids, add.params, add.images)
         except InvalidRequestError as exc:
             self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=str(exc), code="invalid"))
             return

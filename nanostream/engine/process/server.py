@@ -48,14 +48,16 @@ class EngineFailure(RuntimeError):
     """The engine cannot go on (a tensor-parallel worker died or hung): every client is told, the process exits."""
 
 
-def tokenizer_files(path: Path) -> tuple[dict[str, bytes], str | None]:
-    """The tokenizer as files a client can load on its own, and its chat template."""
+def tokenizer_files(path: Path, images: Path | None = None) -> tuple[dict[str, bytes], str | None]:
+    """The tokenizer as files a client can load on its own, and its chat template; ``images``: the directory of a
+    vision-language model whose image processor and config go with them (the client prepares the images)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         files = {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
+    files |= {n: (images / n).read_bytes() for n in ("config.json", "preprocessor_config.json") if images is not None}
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     return files, template
 
@@ -77,9 +79,12 @@ class EngineServer:
         self.address = server_config.address or default_address()
         check_bind_address(self.address, server_config.auth_token)  # before the slow part: loading
         self.engine = LLMEngine(engine_config, rendezvous)
-        files, template = tokenizer_files(Path(engine_config.tokenizer or self.engine.model_path))
+        vision = self.engine.vision  # a vision-language model: clients get its image processor, send pixel rows
+        images = self.engine.model_path if vision is not None else None
+        files, template = tokenizer_files(Path(engine_config.tokenizer or self.engine.model_path), images)
         self.engine_id = secrets.token_hex(8)
-        max_request_bytes = p.max_request_bytes(self.engine.max_model_len)
+        per_token = 0 if vision is None else vision.merge**2 * vision.spec.patch_pixels * 4  # float32 rows a token
+        max_request_bytes = p.max_request_bytes(self.engine.max_model_len, per_token)
         welcome = p.Welcome(
             protocol_version=p.PROTOCOL_VERSION,
             engine_id=self.engine_id,

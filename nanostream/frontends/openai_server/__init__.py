@@ -46,6 +46,7 @@ from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argumen
 from nanostream.frontends.openai_server.app import create_app
 from nanostream.frontends.openai_server.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, ResponseStore
 from nanostream.frontends.openai_server.tool_parsers import TOOL_PARSERS
+from nanostream.multimodal.policy import ImagePolicy
 
 __all__ = ["OpenAIServer", "create_app"]
 
@@ -66,6 +67,10 @@ def app_options(args: argparse.Namespace, worker: bool = False) -> dict:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         engine_wait=wait,
         response_store=ResponseStore(args.max_stored_responses, args.max_stored_response_bytes),
+        image_policy=ImagePolicy(
+            allowed_domains=frozenset(args.allowed_media_domains or ()),
+            allowed_local_path=args.allowed_local_media_path,
+        ),
     )
 
 
@@ -107,6 +112,18 @@ class OpenAIServer(Frontend):
             default="hermes",
             choices=[*sorted(TOOL_PARSERS), "none"],
             help="read tool calls out of replies in this format (default %(default)s: Qwen's <tool_call> JSON)",
+        )
+        parser.add_argument(
+            "--allowed-media-domains",
+            nargs="+",
+            metavar="DOMAIN",
+            help="images may come from http(s) URLs of these hosts (and their subdomains); default: none, data: "
+            "URLs only",
+        )
+        parser.add_argument(
+            "--allowed-local-media-path",
+            metavar="DIR",
+            help="images may come from file:// URLs and paths under this directory (default: none)",
         )
         parser.add_argument(
             "--max-stored-responses",

@@ -119,11 +119,11 @@ class MessagesAPI:
             raise RequestValidationError(exc.errors()) from None
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        ids, _ = self.chat_prompt(self._chat(body))
+        ids, *_ = self.chat_prompt(self._chat(body))
         return {"input_tokens": len(ids)}
 
     async def create_message(self, body: MessagesRequest, request: Request) -> Response:
-        stream, plan = self.chat_stream(self._chat(body))
+        stream, plan = await self.chat_stream(self._chat(body))
         turn = Turn(self.tool_parser if plan.parse else None)
         render = MessageRender(body, self.served_model_name, turn, stream)
         chunks = self.metrics.timed(stream, "messages")

@@ -35,6 +35,7 @@ from nanostream.frontends.openai_server.response_store import ResponseStore
 from nanostream.frontends.openai_server.routes import ROUTES
 from nanostream.frontends.openai_server.tokenization import Tokenization, version
 from nanostream.frontends.openai_server.tool_parsers import ToolParser, get_tool_parser
+from nanostream.multimodal.policy import ImagePolicy
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class _Server(Generation, ResponsesAPI, MessagesAPI, EmbeddingsAPI, Tokenization
             "owned_by": "nanostream",
             "root": self.client.model,
             "max_model_len": self.client.max_model_len,
+            "input_modalities": ["text", "image"] if self.client.image_preparer()[0] is not None else ["text"],
         }
 
     async def health(self) -> dict[str, Any]:
@@ -192,6 +194,7 @@ def create_app(
     tool_call_parser: str | None = "hermes",
     engine_wait: EngineWait | None = None,
     response_store: ResponseStore | None = None,
+    image_policy: ImagePolicy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app; its lifespan connects one AsyncClient and closes it at shutdown.
 
@@ -204,7 +207,8 @@ def create_app(
     and ``/v1/models`` lists (default: the name of the engine's model directory).
     ``reasoning_parser`` ("qwen3") returns a reply's ``<think>`` part as ``reasoning_content``;
     ``tool_call_parser`` (default "hermes", None: none) reads tool calls out of replies.
-    ``response_store`` keeps the Responses API's stored responses (default: a ``ResponseStore()``). Example::
+    ``response_store`` keeps the Responses API's stored responses (default: a ``ResponseStore()``). ``image_policy``:
+    where a vision-language model's images may come from (default: data URLs only). Example::
 
         uvicorn.run(create_app("ipc:///run/nanostream.sock", api_key="sk-local"), port=8000)
     """
@@ -221,6 +225,7 @@ def create_app(
     server = _Server(new_client, api_key, served_model_name, engine_wait)
     server.reasoning_parser, server.tool_parser = reasoning_parser, parser
     server.response_store = response_store if response_store is not None else ResponseStore()
+    server.image_policy = image_policy if image_policy is not None else ImagePolicy()
     app = FastAPI(title="nanostream OpenAI-compatible API", lifespan=server.lifespan)
     app.state.server = server
 

@@ -50,7 +50,13 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image")
+"""Content parts that carry an image (multimodal/chat.py reads them): a vision-language model's."""
+
+
 class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # an image part's image_url
+
     type: str
     text: str | None = None
 
@@ -72,16 +78,21 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type not in IMAGE_PARTS and (part.type != "text" or part.text is None):
                 raise bad_request(
-                    f"messages[{index}].content has a {part.type!r} part; this server runs the model's language "
-                    "model only and takes only text parts: send the message as text",
+                    f"messages[{index}].content has a {part.type!r} part; this server takes text and image parts "
+                    "(image_url): send the rest as text",
                     f"messages[{index}].content",
                 )
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if part.type == "text")
 
     def for_template(self, index: int) -> dict[str, Any]:
-        return {**self.model_dump(exclude_unset=True), "content": self.text(index)}
+        """The message as the chat template gets it: its text, or, with images, its text and image parts in order
+        (each image part the template's to place; generation.py takes the images)."""
+        content: str | list = self.text(index)
+        if isinstance(self.content, list) and any(part.type in IMAGE_PARTS for part in self.content):
+            content = [part.model_dump(exclude_none=True) for part in self.content]
+        return {**self.model_dump(exclude_unset=True), "content": content}
 
 
 class ChatRequest(BaseRequest):

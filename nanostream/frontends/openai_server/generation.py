@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -19,6 +20,8 @@ from nanostream.frontends.openai_server.responses import Reply, ReplyOptions
 from nanostream.frontends.openai_server.sse import respond
 from nanostream.frontends.openai_server.structured import ToolPlan, constraint_of, tool_plan
 from nanostream.frontends.openai_server.unsupported import check_supported
+from nanostream.multimodal import split_image_parts
+from nanostream.multimodal.request import prompt_images
 
 
 class Generation:
@@ -46,7 +49,7 @@ class Generation:
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         self._checked(body)
         logprobs = body.num_logprobs()
-        stream, plan = self.chat_stream(body, logprobs)
+        stream, plan = await self.chat_stream(body, logprobs)
         options = self._options(stream, body, chat=True, top_logprobs=logprobs)
         options.tool_parser = self.tool_parser if plan.parse else None
         options.reasoning = self.reasoning_parser is not None
@@ -54,25 +57,35 @@ class Generation:
         options.role, options.echo = body.role, None if echoed is None else [echoed]
         return await self._respond(request, body, stream, Reply(options))
 
-    def chat_stream(self, body: ChatRequest, logprobs: int | None = None) -> tuple[Stream, ToolPlan]:
+    async def chat_stream(self, body: ChatRequest, logprobs: int | None = None) -> tuple[Stream, ToolPlan]:
         """The engine stream of a checked chat request, and how its tools are handled: the one path from
-        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages)."""
-        ids, plan = self.chat_prompt(body)
+        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages).
+        Its images (a vision-language model's) are fetched, decoded and prepared off the event loop."""
+        ids, plan, sources = self.chat_prompt(body)
+        images = []
+        if sources:
+            preparer, refusal = self.client.image_preparer()
+            policy = self.image_policy
+            ids, images = await anyio.to_thread.run_sync(prompt_images, ids, sources, preparer, policy, refusal)
         params = body.sampling_params(body.max_new_tokens(), logprobs, constraint_of(body, plan))
-        ids = body.truncated(ids, self.client.max_model_len, body.max_new_tokens())
-        return Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser), plan
+        if not images:  # (a prompt with images is not cut: its placeholders must stay whole)
+            ids = body.truncated(ids, self.client.max_model_len, body.max_new_tokens())
+        stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser, images=images)
+        return stream, plan
 
-    def chat_prompt(self, body: ChatRequest) -> tuple[list[int], ToolPlan]:
-        """A chat request's prompt token ids, rendered with the model's template, and its tool plan."""
+    def chat_prompt(self, body: ChatRequest) -> tuple[list[int], ToolPlan, list]:
+        """A chat request's prompt token ids, rendered with the model's template (one image token per image), its
+        tool plan and its images' sources."""
         plan = tool_plan(body, self.tool_parser)
         try:
             kwargs = check_template_kwargs(body.chat_template_kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "chat_template_kwargs") from None
         try:  # rendered here, not by AsyncClient.chat: the prompt may be left open, and truncated
+            messages, sources = split_image_parts(body.template_messages())
             ids = render_chat(
                 self.client.tokenizer,
-                body.template_messages(),
+                messages,
                 tools=plan.tools,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -80,7 +93,7 @@ class Generation:
             )
         except InvalidRequestError as exc:
             raise template_error(exc) from None
-        return ids, plan
+        return ids, plan, sources
 
     def _options(self, stream: Stream, body: BaseRequest, *, chat: bool, top_logprobs: int | None) -> ReplyOptions:
         return ReplyOptions(
