@@ -1,7 +1,11 @@
 """Which checkpoints take images, and the vision tower each runs: read from config.json, built on a device.
 
-    tower = vision_tower(read_model_config(path))  # None: text only (or a tower nanostream does not run yet)
+Example::
+
+    tower = vision_tower(read_model_config(path))  # None: a text model
     encoder = tower.build(path, dtype=torch.bfloat16, device="cuda", load_format="auto")
+
+The engine checks requests' images against the tower (engine/images.py) and its runner encodes them.
 """
 
 from __future__ import annotations
