@@ -1,4 +1,4 @@
-"""Images through the engine (issue 58): a tiny random Qwen3.5 vision-language checkpoint (every tensor drawn), images
+"""Images through the engine (issue 58): tiny random Qwen3.5 and Qwen3-VL checkpoints (every tensor drawn), images
 prepared by transformers' own image processor, greedy float32 tokens identical to transformers' model on the same
 inputs; chunks that cut an image, two images in a prompt, the encoder cache and prefix hits over images (the same
 text with another image hits nothing of it), and the engine's refusals of images that do not fit."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
-from transformers import Qwen3_5ForConditionalGeneration as HFModel
 
 from nanostream import InvalidRequestError, SamplingParams
 from nanostream.config import EngineConfig
@@ -21,13 +21,14 @@ from nanostream.testing import TINY_PRESETS, make_tiny_model
 ENGINE = dict(device="cpu", dtype="float32", kvcache_block_size=8, state_snapshot_interval=16)
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """(directory, transformers model, image processor, placeholder ids) of the tiny Qwen3.5 vision-language model."""
-    path = make_tiny_model(tmp_path_factory.mktemp("qwen3_5_vl"), **TINY_PRESETS["qwen3_5_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl"])
+def vl(request, tmp_path_factory):
+    """(directory, transformers model, image processor, placeholder ids) of a tiny vision-language model: Qwen3.5's
+    (hybrid layers), Qwen3-VL's (a Qwen3 decoder, DeepStack features added to its first two layers' output)."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), **TINY_PRESETS[request.param])
     config = AutoConfig.from_pretrained(path)
     ids = dict(image=config.image_token_id, start=config.vision_start_token_id, end=config.vision_end_token_id)
-    hf = HFModel.from_pretrained(path, dtype=torch.float32).eval()
+    hf = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
     return path, hf, AutoImageProcessor.from_pretrained(path), ids
 
 

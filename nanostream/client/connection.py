@@ -169,16 +169,10 @@ class Connection:
             raise EngineDeadError(f"not connected to an engine at {self.address} ({self._link.lost}); retry later")
 
     async def submit(
-        self,
-        mailbox: Mailbox,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        timeout: float | None,
-        images: list[p.ImageInput] = (),
-    ) -> None:
-        """Send one request (with its prompt's ``images``, a vision-language model's); the reader fills ``mailbox``
-        with its deltas from now on."""
+        self, mailbox: Mailbox, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        timeout: float | None, images: list[p.ImageInput] = (),
+    ) -> None:  # fmt: skip
+        """Send one request (and its prompt's ``images``); the reader fills ``mailbox`` with its deltas from now on."""
         frame = p.encode(p.Add(request_id, prompt_token_ids, params, timeout, list(images)))
         limit = self._welcome.max_request_bytes
         if len(frame) > limit:

@@ -96,7 +96,7 @@ _HYBRID = dict(
     attn_output_gate=True,
     rope_types=ROPES,
 )
-_QWEN3_5_UNUSED = ("mtp.", "model.visual.")  # its multi-token prediction layer; a vision tower left in
+_QWEN3_5_UNUSED = ("mtp.", "model.visual.")  # its multi-token prediction layer; its vision tower (models/vision/)
 ARCHITECTURES |= {
     "Qwen3NextForCausalLM": Architecture(
         **_HYBRID,
@@ -115,6 +115,13 @@ ARCHITECTURES |= {
         unused_tensors=_QWEN3_5_UNUSED,
     ),
 }
+# Qwen3-VL's language model (no class of its own in transformers: nanostream's name): Qwen3's decoder rotating by
+# M-RoPE over its 64 frequency pairs, (24, 20, 20) interleaved; its images' DeepStack features join the first
+# layers' hidden states (models/placeholder_embeds.py).
+ARCHITECTURES["Qwen3VLForCausalLM"] = Architecture(
+    qk_norm=True, attention_bias_key="attention_bias", mrope=(24, 20, 20), rope_types=ROPES,
+    unused_tensors=("model.visual.",),
+)  # fmt: skip
 # DeepSeek's router (sigmoid scores, a correction bias that steers the choice alone, renormalised weights) on a
 # Llama-style attention: GLM-4.5 with its partial rotary, optional per-head QK-norm, q/k/v biases, shared experts,
 # groups and dense first layers; MiniMax-M2 with QK-norms over the whole q and k projections (``qk_norm_type``
@@ -249,7 +256,7 @@ ARCHITECTURES["Gemma4ForCausalLM"] = Architecture(
         router="normed_softmax", renormalize=True, float32_weights=True, sparse_layers=False, beside_dense=True,
     ),
 )  # fmt: skip
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a != "Qwen3VLForCausalLM")  # (that one: inside its wrapper)
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,7 @@ TEXT_MODELS = {
     "Gemma3ForConditionalGeneration": TextModel("Gemma3ForCausalLM", (("language_model.", ""),)),
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
+    "Qwen3VLForConditionalGeneration": TextModel("Qwen3VLForCausalLM", _QWEN_VL_LAYOUT),
     # Mistral Small 3.1 (a Mistral language model) and Ministral 3
     "Mistral3ForConditionalGeneration": TextModel(
         "MistralForCausalLM", _EITHER_LAYOUT, by_model_type=(("ministral3", "Ministral3ForCausalLM"),)

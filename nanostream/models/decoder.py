@@ -90,8 +90,10 @@ class DecoderModel(nn.Module):
         if embeds is not None:
             x = embeds.write_over(x)
         if self.per_layer_embedding is None:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 x, residual = layer(positions, x, residual, ctx)
+                if embeds is not None and i < len(embeds.deepstack):  # Qwen3-VL's DeepStack: images' features
+                    x, residual = embeds.add_level(i, x, residual), None
         else:
             inputs = self.per_layer_embedding(input_ids, x)  # [T, L, P]
             for i, layer in enumerate(self.layers):

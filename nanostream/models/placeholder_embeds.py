@@ -6,7 +6,9 @@ embeddings before the first layer, as transformers' ``masked_scatter`` does::
     index = (input_ids == image_token_id).nonzero()[:, 0]  # the M placeholders among the step's T tokens
     hidden = model(input_ids, positions, ctx, PlaceholderEmbeds(index, out.embeds))
 
-A prefill chunk that holds part of an image carries that part's rows only, at its own token indices.
+A prefill chunk that holds part of an image carries that part's rows only, at its own token indices. Qwen3-VL's
+DeepStack features (``deepstack``: one [M, hidden] per level) are added to the hidden states at the same tokens after
+the first layers, level i after layer i (``add_level``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class PlaceholderEmbeds:
 
     index: torch.Tensor
     rows: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
 
     def __post_init__(self) -> None:
         if self.index.dim() != 1 or self.rows.dim() != 2 or self.rows.shape[0] != self.index.shape[0]:
@@ -41,3 +44,10 @@ class PlaceholderEmbeds:
                 f"{x.shape[1]}; pass the vision encoder's output of this model"
             )
         return x.index_copy(0, self.index, self.rows.to(x.dtype))
+
+    def add_level(self, level: int, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The hidden states after a layer (``x`` + ``residual``, a decoder layer's fused pair) with DeepStack level
+        ``level``'s rows added at the placeholders, as transformers adds them (a new tensor; the next layer takes it
+        with no residual)."""
+        hidden = x if residual is None else x + residual
+        return hidden.index_add(0, self.index, self.deepstack[level].to(hidden.dtype))

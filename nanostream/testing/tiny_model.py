@@ -1,9 +1,7 @@
 """A tiny random-weight model, built the same way on any machine, for tests.
 
 ``make_tiny_model(DIR)`` writes a Hugging Face model directory (config.json, model.safetensors, tokenizer files with a
-chat template) using transformers' own config and model classes. The weights are random, so the text is gibberish; it
-exists to exercise the whole engine without a download.
-"""
+chat template) with transformers' own config and model classes; random weights, to run the whole engine offline."""
 
 from __future__ import annotations
 
@@ -37,6 +35,7 @@ TINY_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration",
+    *vision.VL_ARCHITECTURES,  # Qwen3-VL
     "Glm4MoeForCausalLM",
     "MiniMaxM2ForCausalLM",
     *families.FAMILY_ARCHITECTURES,
@@ -66,6 +65,7 @@ _CONFIG_CLASSES = {  # the text model's config, not the multimodal one
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
     **families.FAMILY_CONFIG_CLASSES,
+    **vision.VL_CONFIG_CLASSES,
 }
 # Each tiny MoE model's experts: some get no token of a short prompt, a decode token routes to several, and
 # Qwen2-MoE mixes a dense layer in (mlp_only_layers) and has its shared expert. DeepSeek's router (GLM-4.5: a dense
@@ -125,14 +125,13 @@ _TINY_HYBRID: dict[str, dict] = {
 }  # fmt: skip
 _CENTRED_NORMS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 _MULTIMODAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "Qwen3_5Config", vision.TINY_QWEN_VISION)}
-_MULTIMODAL |= families.FAMILY_MULTIMODAL
+_MULTIMODAL |= families.FAMILY_MULTIMODAL | vision.VL_MULTIMODAL
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
 EXPERT_LAYOUTS = ("per_expert", "stacked")
 LLAMA3_ROPE_SCALING = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=256
 )
-"""Llama 3 rope scaling for a tiny model (``rope_scaling=`` of make_tiny_model): with head_dim 16, three of its
-eight frequencies are kept, one is interpolated and four are slowed down."""
+"""Llama 3 rope scaling for a tiny model (``rope_scaling=``): of head_dim 16's 8 frequencies 3 kept, 1 interpolated."""
 TINY_PRESETS: dict[str, dict] = {
     "llama": dict(architecture="LlamaForCausalLM", seed=3, tie_word_embeddings=False),
     "llama3": dict(  # Llama 3 rope scaling, biases on attention and MLP
@@ -162,9 +161,9 @@ TINY_PRESETS: dict[str, dict] = {
     "minimax_m2": dict(architecture="MiniMaxM2ForCausalLM", seed=24, tie_word_embeddings=False),
     **families.FAMILY_PRESETS,
     **LATENT_PRESETS,
+    **vision.VL_PRESETS,
 }
-"""make_tiny_model arguments of the tests' Llama, Mistral and mixture-of-experts models:
-``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
+"""make_tiny_model arguments of the tests' models: ``make_tiny_model(d, **TINY_PRESETS["llama"])``."""
 
 
 def _classes(architecture: str):
@@ -175,7 +174,7 @@ def _classes(architecture: str):
     prefix = architecture.removesuffix("ForCausalLM")  # Qwen3ForCausalLM -> transformers.Qwen3Config
     config = _MULTIMODAL[architecture][1] if architecture in _MULTIMODAL else f"{prefix}Config"
     config = _CONFIG_CLASSES.get(architecture, config)
-    return getattr(transformers, config), getattr(transformers, architecture)
+    return getattr(transformers, config), getattr(transformers, architecture, None)  # None: Qwen3-VL's LM alone
 
 
 def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
@@ -184,7 +183,7 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
         text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
         tower = dict(_MULTIMODAL[architecture][2])
-        if architecture == "Qwen3_5ForConditionalGeneration":  # its merger's output: the text model's width
+        if architecture in vision.VISION_TOKENS:  # Qwen's: its merger's output is the text model's width
             tower["out_hidden_size"] = text.hidden_size
         tokens, text.vocab_size = vision.vision_token_ids(architecture) or ({}, text.vocab_size)  # its placeholders
         config = config_cls(
@@ -214,7 +213,7 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     kwargs.update(_TINY_MOE.get(architecture, {}))
     kwargs.update(_TINY_DENSE.get(architecture, {}))
     kwargs.update(_TINY_HYBRID.get(architecture, {}))
-    kwargs.update(families.FAMILY_CONFIGS.get(architecture, {}))
+    kwargs.update((families.FAMILY_CONFIGS | vision.VL_CONFIGS).get(architecture, {}))
     kwargs.update(TINY_LATENT.get(architecture, {}))
     if architecture == "Qwen3_5MoeForCausalLM":
         kwargs.pop("intermediate_size")  # every layer is MoE: its configs have none
@@ -271,7 +270,7 @@ def make_tiny_model(
         torch.set_default_dtype(default)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        centred = architecture in _CENTRED_NORMS or architecture in _MULTIMODAL  # (1 + w) norms
+        centred = architecture in _CENTRED_NORMS or architecture in _MULTIMODAL.keys() - vision.PLAIN_NORMS  # 1 + w
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
                 one = 0.0 if centred and "linear_attn" not in name else 1.0  # the DeltaNet's gated norm: plain w

@@ -7,12 +7,26 @@ TINY_QWEN_VISION = dict(
     depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, num_position_embeddings=16
 )
 """The Qwen3.5 vision tower of a tiny model: one block; its merger's width is set to the language model's."""
-VISION_TOKENS = {
-    "Qwen3_5ForConditionalGeneration": dict(
-        vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>",
-        image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+VL_MULTIMODAL = {
+    "Qwen3VLForConditionalGeneration": (
+        "Qwen3VLForCausalLM", "Qwen3VLConfig", dict(TINY_QWEN_VISION, depth=2, deepstack_visual_indexes=[0, 1]),
     )
 }  # fmt: skip
+"""Qwen3-VL: its language model (a Qwen3 decoder with M-RoPE), a two-block tower whose both blocks feed DeepStack."""
+VL_ARCHITECTURES = ("Qwen3VLForCausalLM", *VL_MULTIMODAL)
+VL_PRESETS = {"qwen3_vl": dict(architecture="Qwen3VLForConditionalGeneration", seed=25, tie_word_embeddings=False)}
+VL_CONFIG_CLASSES = {"Qwen3VLForCausalLM": "Qwen3VLTextConfig"}
+VL_CONFIGS = {  # head_dim 16: 8 rotary pairs, split (4, 2, 2) between time, height and width
+    "Qwen3VLForCausalLM": dict(head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                  mrope_section=[4, 2, 2], mrope_interleaved=True)),
+}  # fmt: skip
+PLAIN_NORMS = frozenset(VL_MULTIMODAL)
+"""Multimodal models whose norms multiply by w (Qwen3's), not by 1 + w."""
+_QWEN_TOKENS = dict(
+    vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>", image_token_id="<|image_pad|>",
+    video_token_id="<|video_pad|>",
+)  # fmt: skip
+VISION_TOKENS = {"Qwen3_5ForConditionalGeneration": _QWEN_TOKENS, "Qwen3VLForConditionalGeneration": _QWEN_TOKENS}
 """The tiny vision-language models whose images run: their placeholder tokens, added to the tiny tokenizer."""
 
 

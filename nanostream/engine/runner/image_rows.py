@@ -32,7 +32,8 @@ class ImageRows:
     def __init__(self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int) -> None:
         self.encoder = encoder
         self.budget_rows, self.max_patches = budget_rows, max_patches
-        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # image key -> its rows [tokens, hidden]
+        # image key -> its rows [tokens, hidden] and DeepStack features (one such a level; Qwen3-VL's)
+        self.cache: OrderedDict[bytes, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
         self.rows_held = 0
         self.images_encoded = 0
 
@@ -69,12 +70,18 @@ class ImageRows:
         missing = {image.key: image for image, _, _ in wanted if image.key not in self.cache}
         if missing:
             self._encode(list(missing.values()), device)
-        rows = torch.cat([self.cache[image.key][lo:hi] for image, lo, hi in wanted])
+        parts = [self.cache[image.key] for image, _, _ in wanted]
+        rows = torch.cat([rows[lo:hi] for (rows, _), (_, lo, hi) in zip(parts, wanted)])
+        levels = len(parts[0][1])
+        deepstack = tuple(
+            torch.cat([features[level][lo:hi] for (_, features), (_, lo, hi) in zip(parts, wanted)])
+            for level in range(levels)
+        )
         used = {image.key for image, _, _ in wanted}
         for key in used:
             self.cache.move_to_end(key)
         self._evict(keep=used)
-        return PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows)
+        return PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows, deepstack)
 
     @torch.inference_mode()
     def _encode(self, images: list[SeqImage], device: torch.device) -> None:
@@ -87,9 +94,9 @@ class ImageRows:
             if ahead is None or patches + ahead[0] * ahead[1] * ahead[2] > self.max_patches:
                 pixels = torch.cat([i.rows() for i in batch]).to(device=device, dtype=dtype, non_blocking=True)
                 out = self.encoder(pixels, [i.grid for i in batch])
-                for i, (rows, _) in zip(batch, out.split(), strict=True):
-                    self.cache[i.key] = rows
-                    self.rows_held += rows.shape[0]
+                for i, (rows, deepstack) in zip(batch, out.split(), strict=True):
+                    self.cache[i.key] = rows, deepstack
+                    self.rows_held += rows.shape[0] * (1 + len(deepstack))
                 self.images_encoded += len(batch)
                 batch = []
 
@@ -98,7 +105,8 @@ class ImageRows:
             if self.rows_held <= self.budget_rows:
                 break
             if key not in keep:
-                self.rows_held -= self.cache.pop(key).shape[0]
+                rows, deepstack = self.cache.pop(key)
+                self.rows_held -= rows.shape[0] * (1 + len(deepstack))
 
     @staticmethod
     def _positions(chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> torch.Tensor | None:

@@ -23,8 +23,13 @@ from nanostream.models.vision.weights import load_vision_weights
 
 log = logging.getLogger(__name__)
 
-QWEN_TOWERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-"""Wrappers whose vision tower runs: the Qwen3.5 / 3.6 encoder, M-RoPE positions in the language model."""
+QWEN_TOWERS = (
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
+"""Wrappers whose vision tower runs: the Qwen3.5 / 3.6 and Qwen3-VL encoder (with DeepStack features for Qwen3-VL),
+M-RoPE positions in the language model."""
 
 
 @dataclasses.dataclass(frozen=True)
