@@ -35,13 +35,15 @@ def rope_spec(
     interleaved: bool = False,
     partial_rotary: bool = False,
     mrope: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = True,
 ) -> RopeSpec:
     """The ``RopeSpec`` of one rope-parameters dict (transformers 5's ``config.rope_parameters``; Gemma 3 has one
     per layer type, the caller passes one). ``allowed``: the rope types the family may declare; ``model`` names it
     in errors. ``interleaved``: the family rotates pairs (2i, 2i + 1). ``partial_rotary``: the family's rotation
     honours ``partial_rotary_factor`` (Phi-3, GLM-4); elsewhere one other than 1 is refused. ``mrope``: the family
     rotates by M-RoPE (Qwen3.5), over the params' ``mrope_section`` or, where they have none, this one (its default
-    in transformers; ``mrope_interleaved`` is not read: transformers interleaves these families' pairs always).
+    in transformers), its pairs interleaved or in three runs as ``mrope_interleaved`` says (the family's, as
+    transformers fixes it per family: the config's own key is not read).
     Raises ``ModelLoadError`` naming what nanostream cannot run exactly: another rope type, a missing key, odd dims.
 
     >>> rope_spec({"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}, head_dim=256,
@@ -58,7 +60,7 @@ def rope_spec(
         pairs = int(proportion * head_dim // 2)  # as transformers rounds it
         if head_dim % 2 or not 0 <= pairs <= head_dim // 2:
             raise ModelLoadError(f"{model} with partial_rotary_factor={proportion} over head_dim {head_dim}")
-        return RopeSpec(theta, ProportionalRopeScaling(factor, pairs), None, interleaved, section)
+        return RopeSpec(theta, ProportionalRopeScaling(factor, pairs), None, interleaved, section, mrope_interleaved)
     partial = params.get("partial_rotary_factor")
     rotary_dim = head_dim if partial is None else int(head_dim * partial)
     if rotary_dim != head_dim and not partial_rotary:
@@ -75,12 +77,14 @@ def rope_spec(
             )
         theta, rope_type = theta * float(alpha) ** (head_dim / (head_dim - 2)), "default"
     if rope_type == "default":
-        return RopeSpec(theta, None, None if rotary_dim == head_dim else rotary_dim, interleaved, section)
+        rotary = None if rotary_dim == head_dim else rotary_dim
+        return RopeSpec(theta, None, rotary, interleaved, section, mrope_interleaved)
     original = params.get("original_max_position_embeddings", max_position_embeddings)
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ModelLoadError(f"{model} with original_max_position_embeddings={original!r}: it must be a positive int")
     scaling = _READERS[rope_type](params, rotary_dim, original, max_position_embeddings, model)
-    return RopeSpec(theta, scaling, None if rotary_dim == head_dim else rotary_dim, interleaved, section)
+    rotary = None if rotary_dim == head_dim else rotary_dim
+    return RopeSpec(theta, scaling, rotary, interleaved, section, mrope_interleaved)
 
 
 def _mrope_section(section: Any, model: str) -> tuple[int, int, int]:

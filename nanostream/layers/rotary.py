@@ -56,14 +56,16 @@ class RopeSpec:
 
     ``rotary_dim``: the dims that rotate, the head's first ones (partial_rotary_factor × head_dim); None: all.
     ``interleaved``: the model rotates pairs (2i, 2i + 1) (GLM-4), not (i, i + rotary_dim/2).
-    ``mrope_section``: M-RoPE's (t, h, w) split of the pairs, interleaved as Qwen3.5 and Qwen3-VL split them
-    (``mrope_axes``); None: one position a token."""
+    ``mrope_section``: M-RoPE's (t, h, w) split of the pairs, interleaved as Qwen3.5 and Qwen3-VL split them, or
+    in three runs as Qwen2-VL and Qwen2.5-VL do (``mrope_interleaved`` False) (``mrope_axes``); None: one position a
+    token."""
 
     theta: float
     scaling: RopeScaling | None = None
     rotary_dim: int | None = None
     interleaved: bool = False
     mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = True
 
     @property
     def rope_type(self) -> str:
@@ -89,11 +91,16 @@ class RopeSpec:
         """Which of a token's three M-RoPE positions (0 temporal, 1 height, 2 width) each table column turns by:
         LongTensor [head_dim/2]; None without M-RoPE. Pairs interleave t, h, w, t, h, w, ... as transformers'
         Qwen3.5 / Qwen3-VL rotary does: pair j takes height where j % 3 == 1 and j < 3 * section[1], width where
-        j % 3 == 2 and j < 3 * section[2], temporal elsewhere (and the pass-through columns, which turn by none)."""
+        j % 3 == 2 and j < 3 * section[2], temporal elsewhere (and the pass-through columns, which turn by none).
+        Not interleaved (Qwen2-VL, Qwen2.5-VL): the first section[0] pairs temporal, the next section[1] height, the
+        next section[2] width."""
         if self.mrope_section is None:
             return None
         j = torch.arange(head_dim // 2)
         _, height, width = self.mrope_section
+        if not self.mrope_interleaved:
+            t = self.mrope_section[0]
+            return ((j >= t).long() + (j >= t + height).long()) * (j < t + height + width).long()
         axes = torch.zeros_like(j)
         axes[(j % 3 == 1) & (j < 3 * height)] = 1
         axes[(j % 3 == 2) & (j < 3 * width)] = 2

@@ -18,6 +18,7 @@ from nanostream.models.declarations import GEMMA_NORMS, GLM_NORMS, OLMO2_NORMS, 
 from nanostream.models.latent_config import LatentAttentionLayers
 from nanostream.models.moe_config import Experts
 from nanostream.models.spec import LayerNorms
+from nanostream.models.vl_decoders import VL_DECODERS
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(
@@ -115,13 +116,7 @@ ARCHITECTURES |= {
         unused_tensors=_QWEN3_5_UNUSED,
     ),
 }
-# Qwen3-VL's language model (no class of its own in transformers: nanostream's name): Qwen3's decoder rotating by
-# M-RoPE over its 64 frequency pairs, (24, 20, 20) interleaved; its images' DeepStack features join the first
-# layers' hidden states (models/placeholder_embeds.py).
-ARCHITECTURES["Qwen3VLForCausalLM"] = Architecture(
-    qk_norm=True, attention_bias_key="attention_bias", mrope=(24, 20, 20), rope_types=ROPES,
-    unused_tensors=("model.visual.",),
-)  # fmt: skip
+ARCHITECTURES |= VL_DECODERS  # vision-language checkpoints' language models (models/vl_decoders.py)
 # DeepSeek's router (sigmoid scores, a correction bias that steers the choice alone, renormalised weights) on a
 # Llama-style attention: GLM-4.5 with its partial rotary, optional per-head QK-norm, q/k/v biases, shared experts,
 # groups and dense first layers; MiniMax-M2 with QK-norms over the whole q and k projections (``qk_norm_type``
@@ -256,7 +251,7 @@ ARCHITECTURES["Gemma4ForCausalLM"] = Architecture(
         router="normed_softmax", renormalize=True, float32_weights=True, sparse_layers=False, beside_dense=True,
     ),
 )  # fmt: skip
-SUPPORTED_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a != "Qwen3VLForCausalLM")  # (that one: inside its wrapper)
+SUPPORTED_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a not in VL_DECODERS)  # (those: inside their wrapper)
 
 
 @dataclass(frozen=True)
@@ -284,6 +279,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3VLForConditionalGeneration": TextModel("Qwen3VLForCausalLM", _QWEN_VL_LAYOUT),
+    "Qwen2_5_VLForConditionalGeneration": TextModel("Qwen2_5_VLForCausalLM", (*_QWEN_VL_LAYOUT, ("model.", "model."))),
     # Mistral Small 3.1 (a Mistral language model) and Ministral 3
     "Mistral3ForConditionalGeneration": TextModel(
         "MistralForCausalLM", _EITHER_LAYOUT, by_model_type=(("ministral3", "Ministral3ForCausalLM"),)

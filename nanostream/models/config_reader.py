@@ -59,6 +59,7 @@ def _ropes(hf_config: Any, name: str, arch: Architecture) -> tuple[RopeSpec, Rop
             interleaved=arch.interleaved_rotary,
             partial_rotary=arch.partial_rotary,
             mrope=arch.mrope,
+            mrope_interleaved=arch.mrope_interleaved,
         )
 
     if "full_attention" in params:  # Gemma 3: a rope per layer kind

@@ -55,6 +55,8 @@ class Architecture:
     mrope: tuple[int, int, int] | None = None
     """It rotates by M-RoPE, three positions a token (layers/rotary.py), over its rope parameters' mrope_section or,
     where they have none, this (t, h, w) split of the pairs (Qwen3.5's (11, 11, 10), as transformers defaults it)."""
+    mrope_interleaved: bool = True
+    """Its M-RoPE pairs take t, h, w in turn (Qwen3.5, Qwen3-VL); False: in three runs (Qwen2-VL, Qwen2.5-VL)."""
     sliding_window_switch: str | None = None
     """The config key that turns the config's ``sliding_window`` on; None: on whenever it is set."""
     experts: Experts | None = None
