@@ -19,6 +19,7 @@ neither its rotary nor DeepStack is here.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -148,6 +149,29 @@ def test_mrope_rotation_equals_transformers_qwen3_5(text):
     assert torch.equal(ours(positions[0].expand(3, -1), q[..., order], k[..., order])[0], text_q)
     assert torch.equal(text_k, _hf_rotation(config, q, k, positions[0])[1][..., order])
     assert not torch.equal(got_q, text_q)  # the three rows differ: so do the rotations
+
+
+def test_mrope_in_three_runs_equals_transformers_qwen2_5_vl():
+    # Qwen2.5-VL splits the pairs into runs (2 temporal, 3 height, 3 width of 8), not Qwen3.5's interleave
+    from transformers import Qwen2_5_VLTextConfig
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
+
+    params = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    config = Qwen2_5_VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters=params)
+    spec = rope_spec(
+        params, head_dim=16, max_position_embeddings=4096, allowed=("default",), model="Qwen2_5_VLForCausalLM",
+        mrope=(16, 24, 24), mrope_interleaved=False,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(25)
+    positions = torch.randint(0, 4096, (3, 40), generator=gen)
+    q, k = torch.randn(40, 4, 16, generator=gen), torch.randn(40, 2, 16, generator=gen)
+    got_q, got_k = RotaryEmbedding(16, 4096, spec)(positions, q, k)
+    q_hf, k_hf = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
+    cos, sin = qwen25.Qwen2_5_VLRotaryEmbedding(config)(q_hf, positions[:, None, :])
+    want_q, want_k = (x[0].transpose(0, 1) for x in qwen25.apply_rotary_pos_emb(q_hf, k_hf, cos, sin))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    interleaved = RotaryEmbedding(16, 4096, dataclasses.replace(spec, mrope_interleaved=True))
+    assert not torch.equal(interleaved(positions, q, k)[0], want_q)  # the layouts differ: the test tells them apart
 
 
 def test_positions_of_the_wrong_shape_and_bad_sections_are_refused():
