@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanostream.models.vision.qwen_vit_grid import Grid, VisionGrid, merged_tokens, vision_grid
-from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec
+from nanostream.models.vision.qwen_vit_grid import Grid, VisionGrid, check_grids, merged_tokens, vision_grid
+from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec, QwenViTSizes
 
 _EPS = 1e-6  # every LayerNorm of the encoder and its mergers
 
@@ -38,7 +38,7 @@ class VisionRotary(nn.Module):
     """The 2-D rotary embedding: a head's first quarter of frequencies turns with the patch's row, the second
     with its column, and the [row | col] angles are repeated over both halves that rotate_half pairs."""
 
-    def __init__(self, spec: QwenVisionSpec) -> None:
+    def __init__(self, spec: QwenViTSizes) -> None:
         super().__init__()
         half = spec.head_dim // 2
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
@@ -52,9 +52,9 @@ class VisionRotary(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head attention within each frame (``segments``), fused qkv with bias."""
+    """Bidirectional multi-head attention within each segment (a frame, or a window of one), fused qkv with bias."""
 
-    def __init__(self, spec: QwenVisionSpec) -> None:
+    def __init__(self, spec: QwenViTSizes) -> None:
         super().__init__()
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
@@ -69,7 +69,7 @@ class VisionAttention(nn.Module):
         q = (qf * cos + _rotate_half(qf) * sin).to(x.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, Dh]
-        # one SDPA per frame: the segments are short (a few thousand patches) and unequal, and a block-diagonal
+        # one SDPA per segment: the segments are short (a few thousand patches) and unequal, and a block-diagonal
         # mask over the whole batch would cost N² memory
         outs = [
             F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim**-0.5)
@@ -122,24 +122,44 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, spec: QwenVisionSpec) -> None:
+    """One [C*tp*p*p] row of pixel_values -> [D]; Qwen2.5-VL's convolution has no bias."""
+
+    def __init__(self, spec: QwenViTSizes, bias: bool = True) -> None:
         super().__init__()
         self.shape = (spec.in_channels, spec.temporal_patch_size, spec.patch_size, spec.patch_size)
         kernel = self.shape[1:]
         # a Conv3d whose stride is its kernel is a matmul, but the convolution is what transformers runs: keeping
         # it keeps float32 outputs equal to the bit
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel)
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         pixels = pixels.to(self.proj.weight.dtype).view(-1, *self.shape)
         return self.proj(pixels).flatten(1)  # [N, D]
 
 
+def encoder_grids(pixels: torch.Tensor, grid_thw: torch.Tensor | Sequence[Grid], spec: QwenViTSizes) -> list[Grid]:
+    """``grid_thw`` as (t, h, w) triples; ValueError where ``pixels`` (pixel_values, [N, C*tp*p*p]) do not match."""
+    grids = check_grids(grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw, spec.spatial_merge_size)
+    if pixels.dim() != 2 or pixels.shape[1] != spec.patch_pixels:
+        raise ValueError(
+            f"pixel_values has shape {tuple(pixels.shape)}; the encoder takes [patches, "
+            f"{spec.patch_pixels}] as the model's own image processor returns it"
+        )
+    patches = sum(t * h * w for t, h, w in grids)
+    if patches != pixels.shape[0]:
+        raise ValueError(
+            f"pixel_values has {pixels.shape[0]} patches but image_grid_thw {grids} describes "
+            f"{patches}; pass both from one call of the image processor"
+        )
+    return grids
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionOutput:
     """``embeds``: [M, out_hidden_size], the images' tokens back to back (M = sum of t*h*w / merge²), to replace
     the prompt's image placeholder tokens in order. ``deepstack``: one [M, out_hidden_size] per DeepStack block
-    (Qwen3-VL adds the i-th to the language model's hidden states after its i-th layer); empty for Qwen3.5."""
+    (Qwen3-VL adds the i-th to the language model's hidden states after its i-th layer); empty for Qwen3.5 and
+    Qwen2.5-VL."""
 
     embeds: torch.Tensor
     deepstack: tuple[torch.Tensor, ...]
@@ -170,18 +190,8 @@ class QwenVisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Grid]) -> VisionOutput:
         """Encode a batch of images: ``pixel_values`` [N, C*tp*p*p] and ``grid_thw`` [n_images, 3] as transformers'
         image processor returns them (N = sum of t*h*w)."""
-        grids = [tuple(int(v) for v in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
-        if pixel_values.dim() != 2 or pixel_values.shape[1] != self.spec.patch_pixels:
-            raise ValueError(
-                f"pixel_values has shape {tuple(pixel_values.shape)}; the encoder takes [patches, "
-                f"{self.spec.patch_pixels}] as the model's own image processor returns it"
-            )
+        grids = encoder_grids(pixel_values, grid_thw, self.spec)
         grid = vision_grid(grids, self.spec, device=pixel_values.device)
-        if sum(grid.segments) != pixel_values.shape[0]:
-            raise ValueError(
-                f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw {grids} describes "
-                f"{sum(grid.segments)}; pass both from one call of the image processor"
-            )
         x = self.patch_embed(pixel_values)
         x = x + self._positions(grid).to(x.dtype)
         rotary = self.rotary(grid.rows, grid.cols)

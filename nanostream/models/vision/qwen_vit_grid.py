@@ -1,12 +1,14 @@
-"""What the Qwen ViT derives from the images' grids alone, before any weight is touched: where each patch sits
+"""What the Qwen ViTs derive from the images' grids alone, before any weight is touched: where each patch sits
 (its row and column, for the 2-D rotary embedding), which taps of the learned position grid it blends and with
-what weights, and where each frame's attention segment starts.
+what weights, where each frame's attention segment starts, and for Qwen2.5-VL's windowed encoder the order of
+the patches window by window and each window's length.
 
 Patches arrive in ``pixel_values`` in merge-block order, as transformers' image processor lays them out: frame by
 frame, then block row, block column, row within the block, column within the block (a block being the
 ``merge`` x ``merge`` patches that become one language-model token). Every table here follows that order::
 
     grid = vision_grid([(1, 6, 8), (1, 4, 4)], spec)  # grid.rows, grid.cols: [64]; grid.segments: [48, 16]
+    windows = window_grid([(1, 6, 8)], windowed_spec)  # windowed_spec.window = 2: 2 x 2 windows of 12, 12, 12, 12
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec
+from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec, QwenWindowedSpec
 
 Grid = tuple[int, int, int]
 """An image's (or video's) patch grid: (frames t, rows h, columns w), as ``image_grid_thw`` gives it."""
@@ -99,3 +101,51 @@ def vision_grid(grids: Sequence[Grid], spec: QwenVisionSpec, device: torch.devic
 def merged_tokens(grids: Sequence[Grid], merge: int) -> list[int]:
     """Language-model tokens of each image: t * h * w / merge²."""
     return [t * h * w // merge**2 for t, h, w in check_grids(grids, merge)]
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowGrid:
+    """Per-patch tables of a batch of images for the windowed encoder, in window order: frame by frame, window
+    row, window column, then the window's merged tokens row by row (each merge² patches in merge-block order)."""
+
+    order: torch.Tensor  # [N / merge²] long, the merged token (in pixel_values order) at each place of window order
+    rows: torch.Tensor  # [N] long, the row of each patch, in window order
+    cols: torch.Tensor  # [N] long
+    windows: tuple[int, ...]  # patches per window, in order (windows are cut at the frame's edge, never empty)
+    frames: tuple[int, ...]  # patches per frame, in order (the full-attention blocks' segments)
+
+
+def _frame_windows(gh: int, gw: int, side: int) -> tuple[torch.Tensor, list[int]]:
+    """The merged tokens of a gh x gw frame (row-major indices) in window order, and each window's token count."""
+    i = torch.arange(gh).view(gh, 1).expand(gh, gw)
+    j = torch.arange(gw).view(1, gw).expand(gh, gw)
+    across = -(-gw // side)  # windows a row
+    window = (i // side) * across + j // side  # [gh, gw], the window each token falls in
+    # a key unique to each token that sorts by window, then row and column inside it
+    key = window * side * side + (i % side) * side + j % side
+    return key.flatten().argsort(), torch.bincount(window.flatten()).tolist()
+
+
+def window_grid(grids: Sequence[Grid], spec: QwenWindowedSpec, device: torch.device | None = None) -> WindowGrid:
+    """The window tables of ``grids`` (one (t, h, w) per image, in ``pixel_values`` order), on ``device``."""
+    merge, unit = spec.spatial_merge_size, spec.merge_unit
+    order, rows, cols, windows, frames = [], [], [], [], []
+    offset = 0  # merged tokens before this frame
+    for t, h, w in check_grids(grids, merge):
+        tokens, counts = _frame_windows(h // merge, w // merge, spec.window)
+        r, c = merge_block_order(h, w, merge)
+        patches = tokens[:, None] * unit + torch.arange(unit)  # [h*w/unit, unit], the frame's patches in order
+        for _ in range(t):
+            order.append(tokens + offset)
+            rows.append(r[patches.flatten()])
+            cols.append(c[patches.flatten()])
+            windows += [n * unit for n in counts]
+            frames.append(h * w)
+            offset += h * w // unit
+    return WindowGrid(
+        order=torch.cat(order).to(device),
+        rows=torch.cat(rows).to(device),
+        cols=torch.cat(cols).to(device),
+        windows=tuple(windows),
+        frames=tuple(frames),
+    )

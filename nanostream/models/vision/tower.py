@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from nanostream.models.vision.qwen25_vit import QwenWindowedEncoder
 from nanostream.models.vision.qwen_vit import QwenVisionEncoder
-from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec
+from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec, QwenWindowedSpec, vision_spec
 from nanostream.models.vision.weights import load_vision_weights
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,11 @@ QWEN_TOWERS = (
     "Qwen3VLForConditionalGeneration",
 )
 """Wrappers whose vision tower runs: the Qwen3.5 / 3.6 and Qwen3-VL encoder (with DeepStack features for Qwen3-VL),
-M-RoPE positions in the language model."""
+M-RoPE positions in the language model. (Qwen2.5-VL's encoder, ``QwenWindowedEncoder``, runs and a tower of its spec
+builds it, but its wrapper is not here: its language model does not run yet.)"""
+
+ENCODERS: dict[type, type[torch.nn.Module]] = {QwenVisionSpec: QwenVisionEncoder, QwenWindowedSpec: QwenWindowedEncoder}
+"""The encoder each kind of spec describes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +42,7 @@ class VisionTower:
     """A checkpoint's vision encoder and how its images sit in a prompt: each image is ``t*h*w / merge²``
     consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace."""
 
-    spec: QwenVisionSpec
+    spec: QwenVisionSpec | QwenWindowedSpec
     image_token_id: int
 
     @property
@@ -47,7 +52,7 @@ class VisionTower:
     def build(self, path: Path, *, dtype: torch.dtype, device: torch.device | str, load_format: str) -> torch.nn.Module:
         """The encoder with the checkpoint's weights (random ones for ``load_format="dummy"``), in eval mode."""
         with torch.device(device):
-            encoder = QwenVisionEncoder(self.spec)
+            encoder = ENCODERS[type(self.spec)](self.spec)
         if load_format != "dummy":
             load_vision_weights(encoder, Path(path))
         return encoder.to(dtype).eval()
@@ -62,4 +67,4 @@ def vision_tower(model: Any) -> VisionTower | None:
         if vision is not None:
             log.info("%s: its vision tower does not run yet; text prompts only", model.architecture)
         return None
-    return VisionTower(QwenVisionSpec.from_config(vision), int(config.image_token_id))
+    return VisionTower(vision_spec(vision), int(config.image_token_id))
