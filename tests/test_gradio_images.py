@@ -20,7 +20,7 @@ from test_gradio_chat import CHROMIUM, CHROMIUM_ARGS, is_notice, served, wait_fo
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, build_app
-from nanostream.frontends.gradio_history import conversation
+from nanostream.frontends.gradio_history import conversation, resent_images
 from nanostream.testing import TINY_PRESETS, make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")]
@@ -119,6 +119,9 @@ def test_history_with_uploads_becomes_image_parts():
     assert conversation("", [], {"text": "", "files": ["/up/a.png"]}) == [{"role": "user", "content": [image[0]]}]
     assert conversation("", [], {"text": "Hi", "files": []}) == [{"role": "user", "content": "Hi"}]
     assert conversation("", [], {"text": "", "files": [{"path": "/up/a.png"}]})[0]["content"] == [image[0]]
+    # The images an earlier turn sends again with a new message (the refused turn's are not among them).
+    assert resent_images(conversation("", history, {"text": "And D?", "files": ["/up/d.png"]})) == 3
+    assert resent_images(conversation("", [], {"text": "", "files": ["/up/a.png"]})) == 0
 
 
 def test_reply_to_an_uploaded_image_is_llm_chats_and_later_turns_resend_it(engine, url, offline, tmp_path):
@@ -153,11 +156,20 @@ def test_a_broken_file_and_too_many_images_are_notices_and_the_chat_goes_on(engi
     assert is_notice(notice, r"^This request cannot run: image 1 .*(could not be read|corrupt)"), notice
     (notice,) = session.predict(*chat_args("Describe them.", *many), api_name="/chat")
     assert is_notice(notice, r"17 images.* 16"), notice
+    assert "earlier" not in notice["content"]  # (the refused upload was not kept: nothing earlier is resent)
 
     cat = picture(40, 56, 1)  # the refused messages are not part of the conversation
     assert session.predict(*chat_args("Describe it.", saved(cat, tmp_path / "cat.png")), api_name="/chat") == offline(
         turn("Describe it.", cat)
     )
+
+
+def test_too_many_images_with_earlier_ones_says_to_clear_the_chat(url, tmp_path):
+    images = [saved(picture(16, 16, k), tmp_path / f"{k}.png") for k in range(17)]
+    session = Client(url, verbose=False)
+    assert isinstance(session.predict(*chat_args("Describe them.", *images[:10]), api_name="/chat"), str)
+    (notice,) = session.predict(*chat_args("And these?", *images[10:]), api_name="/chat")  # 7 more: 17 in all
+    assert is_notice(notice, r"17 images.* 16.*\(10 of them from earlier messages.*clear the chat"), notice
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason=f"needs Chromium at {CHROMIUM} (apt-get install -y chromium)")

@@ -41,7 +41,7 @@ from nanostream.discovery import discover
 from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
-from nanostream.frontends.gradio_history import NOTICE_TITLE, conversation
+from nanostream.frontends.gradio_history import NOTICE_TITLE, conversation, resent_images
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,14 @@ def _engine_down(address: str, exc: BaseException | None) -> str:
     if exc is None or isinstance(exc, (EngineDeadError, asyncio.TimeoutError)):  # nobody there, or no answer
         return f"the engine at {address} is not answering: start it with `nanostream serve MODEL --address {address}`"
     return f"the engine at {address} cannot be used: {exc}"  # it refused this client: its message says why
+
+
+def _resent_hint(messages: list[dict[str, Any]], exc: Exception) -> str:
+    """For a refusal that counts images (too many, or none taken): the earlier messages' among them, if any."""
+    n = resent_images(messages)
+    if not n or "images" not in str(exc):  # ("holds 17 images", "at most 16 images", "takes no images")
+        return ""
+    return f" ({n} of them from earlier messages, which go with every message: clear the chat to leave them out)"
 
 
 def _with_notice(text: str, notice: str) -> list:
@@ -141,7 +149,7 @@ def build_app(
         # InvalidRequestError from the engine; an ImageError (a broken file, too many images, a text-only model);
         # sampling values from an API call.
         except ValueError as exc:
-            yield _with_notice(text, f"This request cannot run: {exc}")
+            yield _with_notice(text, f"This request cannot run: {exc}{_resent_hint(messages, exc)}")
         except NanostreamError as exc:  # busy, timed out or failed in the engine: the next message may run
             yield _with_notice(text, f"The engine did not finish this reply: {exc}")
 

@@ -49,9 +49,18 @@ def conversation(
     return messages
 
 
+def resent_images(messages: list[dict[str, Any]]) -> int:
+    """The image parts of ``conversation``'s messages before the new one: earlier turns' images, sent again."""
+    return sum(isinstance(p, dict) and p.get("type") == "image" for m in messages[:-1] for p in _parts(m["content"]))
+
+
+def _parts(content: Any) -> list[Any]:
+    return content if isinstance(content, list) else [content]
+
+
 def _content(content: Any) -> str | list[dict[str, Any]]:
     """A history message's content: its text, or its image parts then a text part when it holds files."""
-    parts = content if isinstance(content, list) else [content]
+    parts = _parts(content)
     paths = [path for path in map(_file_path, parts) if path]
     text = "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if isinstance(p, (str, dict)))
     if not paths:
