@@ -198,10 +198,10 @@ def build_app(
 
 
 def message_box() -> gr.MultimodalTextbox:
-    """The message box: text, and images to attach (the button, drag and drop, or paste). A model that takes
-    no images gets the same box (the page is built before the engine answers, and another engine may answer
-    after a reconnection): a message with images then gets a notice that the model takes none, as Open WebUI
-    does, and is left out of the conversation."""
+    """The message box: text, and images to attach (its clip button). A model that takes no images gets
+    the same box, since the page is built before the engine answers and another engine may answer after a
+    reconnection: an image sent to it gets a notice that the model takes none (as Open WebUI refuses one for
+    a model without vision), and that message is left out of the conversation."""
     return gr.MultimodalTextbox(
         placeholder="Type a message, or attach images",
         file_types=["image"],
