@@ -3,13 +3,16 @@
 What a user of the chat relies on: the reply to an uploaded image is the model's reply to that image and text
 (``LLM.chat``'s, greedy); a later turn sends the earlier images again, so the reply is to the whole conversation
 and the engine's prefix cache holds the image's blocks; a broken file or too many images get a notice in the chat
-in place of a reply, and the session chats on without them. (A text model's notice: test_gradio_chat.py.)
+in place of a reply, and the session chats on without them; images are prepared off the event loop every session
+shares. (A text model's notice: test_gradio_chat.py.)
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 from gradio_client import Client, handle_file
@@ -19,6 +22,7 @@ from test_gradio_chat import CHROMIUM, CHROMIUM_ARGS, is_notice, served, wait_fo
 
 from nanostream import LLM, AsyncClient, SamplingParams
 from nanostream.client.launch import EngineProcess
+from nanostream.client.shared import SharedClient
 from nanostream.frontends.gradio_chat import DEFAULT_SYSTEM_PROMPT, build_app
 from nanostream.frontends.gradio_history import conversation, resent_images
 from nanostream.testing import TINY_PRESETS, make_tiny_model
@@ -122,6 +126,26 @@ def test_history_with_uploads_becomes_image_parts():
     # The images an earlier turn sends again with a new message (the refused turn's are not among them).
     assert resent_images(conversation("", history, {"text": "And D?", "files": ["/up/d.png"]})) == 3
     assert resent_images(conversation("", [], {"text": "", "files": ["/up/a.png"]})) == 0
+
+
+def test_a_chat_with_images_is_prepared_off_the_event_loop():
+    class Recorder:  # an AsyncClient whose chat says which thread ran it
+        address = "ipc:///nowhere"
+
+        async def connect(self) -> None:
+            pass
+
+        def chat(self, messages: list, params: SamplingParams) -> threading.Thread:
+            return threading.current_thread()
+
+    async def main() -> list[threading.Thread]:
+        shared = SharedClient(Recorder)
+        sent = [[{"role": "user", "content": "Hi"}], [turn("Describe it.", picture(8, 8, 0))]]
+        return [(await shared.chat(messages, SAMPLING))[1] for messages in sent]
+
+    on_text, on_images = anyio.run(main)  # (the event loop in this, the main, thread)
+    assert on_text is threading.main_thread()  # text: rendered on the loop, as before
+    assert on_images is not threading.main_thread()  # images: decoded and resized in a worker thread
 
 
 def test_reply_to_an_uploaded_image_is_llm_chats_and_later_turns_resend_it(engine, url, offline, tmp_path):
