@@ -27,7 +27,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from gradio_client import Client
+from gradio_client import Client, handle_file
 from helpers import run_in_thread, wait_engine_idle
 
 from nanostream import AsyncClient, SamplingParams
@@ -58,8 +58,9 @@ CHROMIUM_ARGS = [
 
 
 def chat_args(message: str, system: str = DEFAULT_SYSTEM_PROMPT, max_tokens: int = GREEDY.max_tokens) -> tuple:
-    """The /chat endpoint's inputs: message, system prompt, temperature, top-p, max tokens."""
-    return message, system, 0.0, 1.0, max_tokens
+    """The /chat endpoint's inputs: message (the multimodal box's text, no files), system prompt, temperature,
+    top-p, max tokens."""
+    return {"text": message, "files": []}, system, 0.0, 1.0, max_tokens
 
 
 def conv(message: str, system: str = DEFAULT_SYSTEM_PROMPT, history: tuple[str, ...] = ()) -> list[dict[str, str]]:
@@ -143,11 +144,12 @@ def test_conversation_from_gradio_history():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": ""},
+        {"role": "user", "content": [{"type": "image", "image": Path("/tmp/x.png")}]},  # (test_gradio_images.py)
         {"role": "assistant", "content": "Half a rep"},
         {"role": "user", "content": "Again?"},
     ]
     assert conversation("  ", [], "Hi") == [{"role": "user", "content": "Hi"}]  # no system prompt
+    assert conversation("", [], {"text": "Hi", "files": []}) == [{"role": "user", "content": "Hi"}]  # the box's
 
 
 def test_registered_frontend_and_its_options(monkeypatch):
@@ -180,6 +182,18 @@ def test_reply_is_the_greedy_chat_reply_with_system_prompt_and_history(engine, u
     assert all(ref.startswith(part) for part in streamed)  # the growing reply (in several parts: see the next tests)
     assert pirate_reply == ref_pirate
     assert second_reply == ref_second
+
+
+def test_an_image_to_a_text_model_is_a_notice_and_left_out_of_the_conversation(engine, url, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), "red").save(tmp_path / "red.png")
+    client = Client(url, verbose=False)
+    upload = {"text": "What colour is it?", "files": [handle_file(str(tmp_path / "red.png"))]}
+    (notice,) = client.predict(upload, *chat_args("")[1:], api_name="/chat")
+    assert is_notice(notice, "^This request cannot run: this model takes no images.*send the message as text")
+    reply = client.predict(*chat_args("Hello there!"), api_name="/chat")  # the session goes on, without it
+    assert reply == greedy_replies(engine.address, [conv("Hello there!")])[0]
 
 
 def test_two_sessions_at_once_each_get_their_own_reply(engine, url):

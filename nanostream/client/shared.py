@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
 
 from nanostream.client.async_client import AsyncClient
 from nanostream.client.stream import Stream
 from nanostream.errors import ClientClosedError, EngineDeadError
+from nanostream.multimodal.chat import IMAGE_PART_TYPES
 from nanostream.sampling_params import SamplingParams
 
 ClientFactory = Callable[[], AsyncClient]
@@ -42,21 +46,32 @@ class SharedClient:
         # shield: a session cancelled while it waits must not cancel the connection other sessions share
         return await asyncio.shield(task)
 
-    async def chat(self, messages: list[dict[str, str]], params: SamplingParams) -> tuple[AsyncClient, Stream]:
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams) -> tuple[AsyncClient, Stream]:
         """``AsyncClient.chat`` on the shared client (and that client), reconnecting once if the engine went
-        away meanwhile."""
+        away meanwhile. Messages with images are prepared in a worker thread: decoding and resizing an image
+        takes milliseconds to seconds, which the event loop every session shares must not wait for."""
         client = await self.get()
         try:
-            return client, client.chat(messages, params)
+            return client, await _chat(client, messages, params)
         except (EngineDeadError, ClientClosedError):
             client = await self.get(stale=client)
-            return client, client.chat(messages, params)
+            return client, await _chat(client, messages, params)
 
     async def _connect(self) -> AsyncClient:
         client = self._factory()
         self.address = client.address
         await client.connect()
         return client
+
+
+async def _chat(client: AsyncClient, messages: list[dict[str, Any]], params: SamplingParams) -> Stream:
+    if any(_has_image(m.get("content")) for m in messages if isinstance(m, dict)):
+        return await anyio.to_thread.run_sync(client.chat, messages, params)  # (a Stream starts when first read)
+    return client.chat(messages, params)
+
+
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content)
 
 
 def _failed(task: asyncio.Task, stale: AsyncClient | None) -> bool:

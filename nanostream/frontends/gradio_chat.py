@@ -9,9 +9,11 @@ or, from Python::
 
 Every browser session of the app shares one ``AsyncClient`` (so one engine connection serves them
 all); replies stream token by token with the model's chat template applied to the whole
-conversation, and the stop button aborts the request in the engine at once. When the engine is
-not answering, a banner above the chat says so (checked when the page loads and every few seconds)
-and so does the chat in place of a reply; the next message reconnects.
+conversation, and the stop button aborts the request in the engine at once. Images attached to a
+message go with it to a vision-language model, and again with every later turn (gradio_history.py);
+a model that takes none answers with a notice in the chat. When the engine is not answering, a
+banner above the chat says so (checked when the page loads and every few seconds) and so does the
+chat in place of a reply; the next message reconnects.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ import gradio as gr
 
 from nanostream.client import ADDRESS_ENV, AsyncClient
 from nanostream.client.shared import ClientFactory, SharedClient
+from nanostream.client.stream import Stream
 from nanostream.discovery import discover
 from nanostream.errors import EngineDeadError, InvalidRequestError, NanostreamError
 from nanostream.frontends import Frontend
 from nanostream.frontends.engine_wait import EngineWait, add_engine_wait_argument
+from nanostream.frontends.gradio_history import NOTICE_TITLE, conversation, resent_images
 from nanostream.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,39 +49,11 @@ log = logging.getLogger(__name__)
 DEFAULT_TITLE = "nanostream chat"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
-NOTICE_TITLE = "⚠️ No reply"
 MAX_TOKENS_SLIDER = 4096  # the slider's top; a reply is also cut to what the model's context has room for
 STATUS_EVERY = 5.0
 """Seconds between a page's checks of the engine (the banner comes or goes with the next one)."""
 STATUS_WAIT = 3.0
 """Seconds a check waits for the engine's answer before the banner says it is not answering."""
-
-
-def conversation(system_prompt: str, history: list[dict[str, Any]], message: str) -> list[dict[str, str]]:
-    """Chat-template messages from Gradio's history (messages format) and the new user message.
-
-    Gradio gives a message's content as a string or as a list of parts (``{"type": "text", "text": ...}``,
-    files, components); only text reaches the model. Titled messages (thoughts, tool calls, this app's
-    notices) are left out, and so is a user message whose only answer was a notice: the notice asked
-    the user to send it again.
-    """
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
-    for turn in history:
-        title = (turn.get("metadata") or {}).get("title")
-        if title:
-            if title == NOTICE_TITLE and messages and messages[-1]["role"] == "user":
-                messages.pop()
-            continue
-        messages.append({"role": turn["role"], "content": _text(turn["content"])})
-    messages.append({"role": "user", "content": message})
-    return messages
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    parts = content if isinstance(content, list) else [content]
-    return "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if isinstance(p, (str, dict)))
 
 
 def _not_answering(address: str, exc: BaseException) -> str:
@@ -97,6 +73,14 @@ def _engine_down(address: str, exc: BaseException | None) -> str:
     if exc is None or isinstance(exc, (EngineDeadError, asyncio.TimeoutError)):  # nobody there, or no answer
         return f"the engine at {address} is not answering: start it with `nanostream serve MODEL --address {address}`"
     return f"the engine at {address} cannot be used: {exc}"  # it refused this client: its message says why
+
+
+def _resent_hint(messages: list[dict[str, Any]], exc: Exception) -> str:
+    """For a refusal that counts images (too many, or none taken): the earlier messages' among them, if any."""
+    n = resent_images(messages)
+    if not n or "images" not in str(exc):  # ("holds 17 images", "at most 16 images", "takes no images")
+        return ""
+    return f" ({n} of them from earlier messages, which go with every message: clear the chat to leave them out)"
 
 
 def _with_notice(text: str, notice: str) -> list:
@@ -126,7 +110,12 @@ def build_app(
     shared = SharedClient(engine)
 
     async def respond(
-        message: str, history: list[dict[str, Any]], system: str, temperature: float, top_p: float, max_tokens: float
+        message: dict[str, Any],
+        history: list[dict[str, Any]],
+        system: str,
+        temperature: float,
+        top_p: float,
+        max_tokens: float,
     ) -> AsyncIterator[str | list]:
         messages = conversation(system, history, message)
         text = ""
@@ -141,7 +130,8 @@ def build_app(
                     "tokens): clear it to go on"
                 )
             if params.max_tokens > room:  # not started yet: replacing it sends nothing to the engine
-                stream = client.chat(messages, dataclasses.replace(params, max_tokens=room))
+                params = dataclasses.replace(params, max_tokens=room)  # (its images are not prepared again)
+                stream = Stream(client.connection, stream.prompt_token_ids, params, images=stream.images)
             # Leaving this block early (the stop button: Gradio cancels the task running this generator,
             # or closes the generator) aborts the request in the engine.
             async with stream:
@@ -156,8 +146,10 @@ def build_app(
         except EngineDeadError as exc:
             log.warning("%s", exc)
             yield _with_notice(text, _not_answering(shared.address, exc))
-        except ValueError as exc:  # InvalidRequestError from the engine, or sampling values from an API call
-            yield _with_notice(text, f"This request cannot run: {exc}")
+        # InvalidRequestError from the engine; an ImageError (a broken file, too many images, a text-only model);
+        # sampling values from an API call.
+        except ValueError as exc:
+            yield _with_notice(text, f"This request cannot run: {exc}{_resent_hint(messages, exc)}")
         except NanostreamError as exc:  # busy, timed out or failed in the engine: the next message may run
             yield _with_notice(text, f"The engine did not finish this reply: {exc}")
 
@@ -189,6 +181,8 @@ def build_app(
         ]
         gr.ChatInterface(
             respond,
+            multimodal=True,
+            textbox=message_box(),
             title=title,
             additional_inputs=settings,
             additional_inputs_accordion=gr.Accordion("Settings", open=False, render=False),
@@ -201,6 +195,23 @@ def build_app(
         app.load(**check, api_name="engine_status", api_visibility="undocumented")
         gr.Timer(STATUS_EVERY).tick(**check, api_visibility="private")
     return app
+
+
+def message_box() -> gr.MultimodalTextbox:
+    """The message box: text, and images to attach (its clip button). A model that takes no images gets
+    the same box, since the page is built before the engine answers and another engine may answer after a
+    reconnection: an image sent to it gets a notice that the model takes none (as Open WebUI refuses one for
+    a model without vision), and that message is left out of the conversation."""
+    return gr.MultimodalTextbox(
+        placeholder="Type a message, or attach images",
+        file_types=["image"],
+        file_count="multiple",
+        sources=["upload"],
+        submit_btn=True,
+        stop_btn=True,
+        autofocus=True,
+        scale=7,
+    )
 
 
 class GradioChat(Frontend):
