@@ -1,7 +1,7 @@
-"""Images through the engine (issue 58): tiny random Qwen3.5 and Qwen3-VL checkpoints (every tensor drawn), images
-prepared by transformers' own image processor, greedy float32 tokens identical to transformers' model on the same
-inputs; chunks that cut an image, two images in a prompt, the encoder cache and prefix hits over images (the same
-text with another image hits nothing of it), and the engine's refusals of images that do not fit."""
+"""Images through the engine (issue 58): tiny random Qwen3.5, Qwen3-VL and Qwen2.5-VL checkpoints (every tensor
+drawn), images prepared by transformers' own image processor, greedy float32 tokens identical to transformers' model on
+the same inputs; chunks that cut an image, two images in a prompt, the encoder cache and prefix hits over images
+(the same text with another image hits nothing of it), and the engine's refusals of images that do not fit."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from nanostream.testing import TINY_PRESETS, make_tiny_model
 ENGINE = dict(device="cpu", dtype="float32", kvcache_block_size=8, state_snapshot_interval=16)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl", "qwen25_vl"])
 def vl(request, tmp_path_factory):
     """(directory, transformers model, image processor, placeholder ids) of a tiny vision-language model: Qwen3.5's
-    (hybrid layers), Qwen3-VL's (a Qwen3 decoder, DeepStack features added to its first two layers' output)."""
+    (hybrid layers), Qwen3-VL's (a Qwen3 decoder, DeepStack features added to its first two layers' output),
+    Qwen2.5-VL's (a Qwen2 decoder, M-RoPE in three runs, a windowed encoder)."""
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **TINY_PRESETS[request.param])
     config = AutoConfig.from_pretrained(path)
     ids = dict(image=config.image_token_id, start=config.vision_start_token_id, end=config.vision_end_token_id)

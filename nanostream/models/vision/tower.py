@@ -28,10 +28,10 @@ QWEN_TOWERS = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 )
 """Wrappers whose vision tower runs: the Qwen3.5 / 3.6 and Qwen3-VL encoder (with DeepStack features for Qwen3-VL),
-M-RoPE positions in the language model. (Qwen2.5-VL's encoder, ``QwenWindowedEncoder``, runs and a tower of its spec
-builds it, but its wrapper is not here: its language model does not run yet.)"""
+Qwen2.5-VL's windowed one (``QwenWindowedEncoder``); M-RoPE positions in the language model."""
 
 ENCODERS: dict[type, type[torch.nn.Module]] = {QwenVisionSpec: QwenVisionEncoder, QwenWindowedSpec: QwenWindowedEncoder}
 """The encoder each kind of spec describes."""
