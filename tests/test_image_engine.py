@@ -21,10 +21,10 @@ from nanostream.testing import TINY_PRESETS, make_tiny_model
 ENGINE = dict(device="cpu", dtype="float32", kvcache_block_size=8, state_snapshot_interval=16)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl", "qwen25_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen25_vl"])
 def vl(request, tmp_path_factory):
     """(directory, transformers model, image processor, placeholder ids) of a tiny vision-language model: Qwen3.5's
-    (hybrid layers), Qwen3-VL's (a Qwen3 decoder, DeepStack features added to its first two layers' output),
+    (hybrid layers), Qwen3-VL's (a Qwen3 decoder, DeepStack features added to its first two layers' output; its MoE),
     Qwen2.5-VL's (a Qwen2 decoder, M-RoPE in three runs, a windowed encoder)."""
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **TINY_PRESETS[request.param])
     config = AutoConfig.from_pretrained(path)
@@ -210,3 +210,33 @@ def test_llm_chat_and_generate_take_images_as_users_send_them(vl):
         with pytest.raises(InvalidRequestError, match="1 image placeholders for 2 images"):
             llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image, image]}}, params)
     assert chat.token_ids == raw.token_ids == want
+
+
+def test_qwen3_vl_moe_loads_its_experts_as_published_inputs_first(tmp_path):
+    # Qwen3-VL-MoE's checkpoints stack their experts inputs first ([E, H, 2I], [E, I, H]); transformers saves (and
+    # reads) either: the same model from both layouts gives the same tokens.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanostream import LLM
+
+    saved = make_tiny_model(tmp_path / "saved", **TINY_PRESETS["qwen3_vl_moe"])
+    published = tmp_path / "published"
+    shutil.copytree(saved, published)
+    tensors = load_file(saved / "model.safetensors")
+    stacked = [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked
+    tensors |= {k: tensors[k].transpose(1, 2).contiguous() for k in stacked}
+    save_file(tensors, published / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 17, 300, 42, 9] * 6]
+    outputs = []
+    for path in (saved, published):
+        with LLM(str(path), **ENGINE) as llm:
+            outputs.append(llm.generate(prompts, params, use_tqdm=False)[0].token_ids)
+    assert outputs[0] == outputs[1]
+    hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(published, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, 30:]
+    assert outputs[1] == want.tolist()

@@ -16,8 +16,9 @@ class Experts(nn.Module):
     """Every expert's gated MLP over ``rows`` of its intermediate dimension (all of them at one rank).
 
     Checkpoint tensors arrive per expert (``load_shard(param, tensor, "gate.3")``: expert 3's gate_proj,
-    [I, H]) or stacked as transformers' ``save_pretrained`` writes them (``"gate_up"``: [E, 2I, H], or
-    gpt-oss's [E, H, 2I] with gate and up interleaved; ``"down"``: [E, H, I], or gpt-oss's [E, I, H]; the
+    [I, H]) or stacked (``"gate_up"``: [E, 2I, H] as transformers' ``save_pretrained`` writes it, or inputs first,
+    [E, H, 2I], as gpt-oss (gate and up interleaved), Llama 4 and Qwen3-VL-MoE publish it, whichever the tensor's
+    shape says; ``"down"``: [E, H, I], or [E, I, H]; the
     biases ``"gate_up"`` of ``w13_bias``, [E, 2I] laid out as its weight's 2I, and ``"down"`` of
     ``w2_bias``, [E, H]); either way only this rank's rows are read.
 
@@ -66,18 +67,16 @@ class Experts(nn.Module):
             param.data.copy_(loaded[:])
             return [shard]
         if shard == "gate_up":
-            self._check(
-                shard, shape, (num_experts, hidden, 2 * total) if self.transposed else (num_experts, 2 * total, hidden)
-            )
-            gate, up = self._gate_and_up(loaded, dim=2 if self.transposed else 1)
-            if self.transposed:  # [E, H, n] -> [E, n, H]
+            transposed = self._inputs_first(shard, shape, (num_experts, 2 * total, hidden))
+            gate, up = self._gate_and_up(loaded, dim=2 if transposed else 1)
+            if transposed:  # [E, H, n] -> [E, n, H]
                 gate, up = gate.transpose(1, 2), up.transpose(1, 2)
             param.data[:, :n].copy_(gate)
             param.data[:, n:].copy_(up)
             return self.shards(param)
         if shard == "down":
-            self._check(shard, shape, (num_experts, total, hidden) if self.transposed else (num_experts, hidden, total))
-            param.data.copy_(loaded[:, a:b].transpose(1, 2) if self.transposed else loaded[:, :, a:b])
+            transposed = self._inputs_first(shard, shape, (num_experts, hidden, total))
+            param.data.copy_(loaded[:, a:b].transpose(1, 2) if transposed else loaded[:, :, a:b])
             return self.shards(param)
         part, expert = shard.split(".")
         e = int(expert)
@@ -100,6 +99,18 @@ class Experts(nn.Module):
             both = loaded[(*lead, slice(2 * a, 2 * b))]
             return both[(*lead, slice(0, None, 2))], both[(*lead, slice(1, None, 2))]
         return loaded[(*lead, slice(a, b))], loaded[(*lead, slice(total + a, total + b))]
+
+    def _inputs_first(self, shard: str, shape: tuple[int, ...], outputs_first: tuple[int, int, int]) -> bool:
+        """Whether a stacked tensor of ``shape`` is laid out inputs first ([E, in, out]) rather than ``outputs_first``:
+        as its shape says (checkpoints of one family come either way, and transformers reads both), the family's
+        declared layout where both fit (a square one)."""
+        inputs_first = (outputs_first[0], outputs_first[2], outputs_first[1])
+        if shape == inputs_first == outputs_first or self.interleaved:  # (gpt-oss's layout is its own: as declared)
+            self._check(shard, shape, inputs_first if self.transposed else outputs_first)
+            return self.transposed
+        if shape not in (inputs_first, outputs_first):
+            self._check(shard, shape, inputs_first if self.transposed else outputs_first)
+        return shape == inputs_first
 
     @staticmethod
     def _check(shard: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:

@@ -279,6 +279,7 @@ TEXT_MODELS = {
     "Qwen3_5ForConditionalGeneration": TextModel("Qwen3_5ForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3_5MoeForConditionalGeneration": TextModel("Qwen3_5MoeForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen3VLForConditionalGeneration": TextModel("Qwen3VLForCausalLM", _QWEN_VL_LAYOUT),
+    "Qwen3VLMoeForConditionalGeneration": TextModel("Qwen3VLMoeForCausalLM", _QWEN_VL_LAYOUT),
     "Qwen2_5_VLForConditionalGeneration": TextModel("Qwen2_5_VLForCausalLM", (*_QWEN_VL_LAYOUT, ("model.", "model."))),
     # Mistral Small 3.1 (a Mistral language model) and Ministral 3
     "Mistral3ForConditionalGeneration": TextModel(

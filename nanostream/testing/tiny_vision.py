@@ -11,6 +11,9 @@ VL_MULTIMODAL = {
     "Qwen3VLForConditionalGeneration": (
         "Qwen3VLForCausalLM", "Qwen3VLConfig", dict(TINY_QWEN_VISION, depth=2, deepstack_visual_indexes=[0, 1]),
     ),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "Qwen3VLMoeForCausalLM", "Qwen3VLMoeConfig", dict(TINY_QWEN_VISION, depth=2, deepstack_visual_indexes=[0, 1]),
+    ),
     "Qwen2_5_VLForConditionalGeneration": (  # windows of 16 pixels (2 x 2 merged patches); block 1 attends whole
         "Qwen2_5_VLForCausalLM", "Qwen2_5_VLConfig",
         dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, window_size=16,
@@ -19,15 +22,24 @@ VL_MULTIMODAL = {
 }  # fmt: skip
 """Qwen3-VL: its language model (a Qwen3 decoder with M-RoPE), a two-block tower whose both blocks feed DeepStack;
 Qwen2.5-VL: a Qwen2 decoder with M-RoPE in three runs, a windowed tower."""
-VL_ARCHITECTURES = ("Qwen3VLForCausalLM", "Qwen2_5_VLForCausalLM", *VL_MULTIMODAL)
+VL_ARCHITECTURES = ("Qwen3VLForCausalLM", "Qwen3VLMoeForCausalLM", "Qwen2_5_VLForCausalLM", *VL_MULTIMODAL)
 VL_PRESETS = {
     "qwen3_vl": dict(architecture="Qwen3VLForConditionalGeneration", seed=25, tie_word_embeddings=False),
+    "qwen3_vl_moe": dict(architecture="Qwen3VLMoeForConditionalGeneration", seed=27, tie_word_embeddings=False),
     "qwen25_vl": dict(architecture="Qwen2_5_VLForConditionalGeneration", seed=26, tie_word_embeddings=False),
 }
-VL_CONFIG_CLASSES = {"Qwen3VLForCausalLM": "Qwen3VLTextConfig", "Qwen2_5_VLForCausalLM": "Qwen2_5_VLTextConfig"}
+VL_CONFIG_CLASSES = {
+    "Qwen3VLForCausalLM": "Qwen3VLTextConfig", "Qwen3VLMoeForCausalLM": "Qwen3VLMoeTextConfig",
+    "Qwen2_5_VLForCausalLM": "Qwen2_5_VLTextConfig",
+}  # fmt: skip
 VL_CONFIGS = {  # head_dim 16: 8 rotary pairs, split (4, 2, 2) between time, height and width
     "Qwen3VLForCausalLM": dict(head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                                   mrope_section=[4, 2, 2], mrope_interleaved=True)),
+    "Qwen3VLMoeForCausalLM": dict(  # 8 experts of 24 (not square: the stacked layouts differ), 2 a token; a dense layer
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, num_hidden_layers=3,
+        mlp_only_layers=[1], rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2],
+                                                  mrope_interleaved=True),
+    ),
     "Qwen2_5_VLForCausalLM": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                         mrope_section=[2, 3, 3])),  # 8 pairs: 2, then 3, then 3
 }  # fmt: skip
@@ -38,9 +50,9 @@ _QWEN_TOKENS = dict(
     video_token_id="<|video_pad|>",
 )  # fmt: skip
 VISION_TOKENS = dict.fromkeys(
-    ("Qwen3_5ForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
-    _QWEN_TOKENS,
-)
+    ("Qwen3_5ForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+     "Qwen2_5_VLForConditionalGeneration"), _QWEN_TOKENS,
+)  # fmt: skip
 """The tiny vision-language models whose images run: their placeholder tokens, added to the tiny tokenizer."""
 
 
