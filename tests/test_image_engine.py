@@ -240,3 +240,29 @@ def test_qwen3_vl_moe_loads_its_experts_as_published_inputs_first(tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, 30:]
     assert outputs[1] == want.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_5_vl"])
+def test_two_ranks_take_images_as_one_does(name, tmp_path):
+    # Rank 0 alone holds the encoder: each step's image rows (and Qwen3-VL's DeepStack features) reach the worker
+    # by broadcast, and each chunk's M-RoPE positions by the step's message; chunks cut the images, a request is
+    # preempted, the second prompt hits the first's prefix (its image) in the cache.
+    from helpers import outputs_at_one_and_two_ranks
+
+    path = make_tiny_model(tmp_path / name, **TINY_PRESETS[name])
+    processor = AutoImageProcessor.from_pretrained(path)
+    vl = (path, None, processor, _placeholders(path))
+    first, second = _image(40, 56, 11), _image(48, 32, 12)
+    prompts = []
+    for parts in ([6, first, 9], [6, first, 9, second, 4], [3, second, 7, first, 5]):
+        ids, *_ = _request(vl, parts, seed=3)
+        prompts.append({"prompt": ids, "multi_modal_data": {"image": [p for p in parts if not isinstance(p, int)]}})
+    options = dict(ENGINE, max_num_batched_tokens=24, max_num_seqs=3, num_kvcache_blocks=20)
+    one, two = outputs_at_one_and_two_ranks(path, prompts, SamplingParams(temperature=0.0, max_tokens=12), **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+
+
+def _placeholders(path):
+    config = AutoConfig.from_pretrained(path)
+    return dict(image=config.image_token_id, start=config.vision_start_token_id, end=config.vision_end_token_id)

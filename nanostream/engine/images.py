@@ -86,8 +86,6 @@ def check_images(
             "this model takes no images (it runs text only, or nanostream runs its language model only); send the "
             "message as text"
         )
-    if config.tensor_parallel_size > 1:
-        raise InvalidRequestError("images are not run with tensor_parallel_size > 1 yet; send text or run one rank")
     if len(images) > config.limit_images_per_prompt:
         raise InvalidRequestError(
             f"a request may hold at most {config.limit_images_per_prompt} images (the engine's "

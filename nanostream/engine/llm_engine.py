@@ -1,9 +1,8 @@
 """The engine core: admission, one ``step()`` of scheduling + model + bookkeeping, abort.
 
-Token ids in, token ids out; no tokenizer, no I/O. The offline ``LLM`` and the engine process both
-drive it by calling ``step()`` in a loop. A step is launched on the device before the previous one's
-samples are read back, so the host's scheduling and bookkeeping overlap the GPU's work; ``step()``
-returns the previous step's tokens.
+Token ids in, token ids out; no tokenizer, no I/O. The offline ``LLM`` and the engine process both drive it by
+calling ``step()`` in a loop. A step is launched on the device before the previous one's samples are read back, so
+the host's scheduling and bookkeeping overlap the GPU's work; ``step()`` returns the previous step's tokens.
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0: it starts (or, with torchrun's ``rendezvous``,
 meets) N-1 workers (engine/tp/workers.py) before its runner; their death is the engine's (``EngineDeadError``).
@@ -77,9 +76,11 @@ class LLMEngine:
             self.runner = ModelRunner(config, spec, self.model_path, vision=self.vision)
         else:
             self.config = config = agreed_config(config, spec, rendezvous.local_rank if rendezvous else 0)
-            self.workers = WorkerGroup(config, spec, rendezvous)
+            self.workers = WorkerGroup(config, spec, rendezvous, self.vision)
             try:
-                self.runner = ModelRunner(config, spec, self.model_path, tp=self.workers.tp, control=self.workers)
+                self.runner = ModelRunner(
+                    config, spec, self.model_path, tp=self.workers.tp, control=self.workers, vision=self.vision
+                )
             except Exception as exc:  # none of the ranks can go on without the others
                 error = self.workers.failed_to_start(exc)
                 if error is exc:

@@ -14,11 +14,13 @@ rows gets [3, T].
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
 from nanostream.config import EngineConfig
+from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.engine.images import SeqImage
 from nanostream.engine.runner.step_inputs import Chunk, StepInputs, Uploads, to_device
 from nanostream.models import PlaceholderEmbeds
@@ -43,27 +45,29 @@ class ImageRows:
         encoder = tower.build(path, dtype=dtype, device=device, load_format=config.load_format)
         return cls(encoder, budget_rows=config.max_num_batched_tokens, max_patches=4 * config.max_num_batched_tokens)
 
-    def step_inputs(self, chunks: list[Chunk], inputs: StepInputs, uploads: Uploads | None = None) -> StepInputs:
+    def step_inputs(
+        self, chunks: list[Chunk], inputs: StepInputs, uploads: Uploads | None = None, tp: TensorParallel = SINGLE
+    ) -> StepInputs:
         """``inputs`` (``pack_step``'s) with the images' rows and M-RoPE positions, where some chunk's sequence has
-        images; else unchanged."""
+        images; else unchanged. With tensor parallelism the rows go to every rank (``received_inputs``)."""
         if all(c.seq.images is None for c in chunks):
             return inputs
         device = inputs.input_ids.device
-        positions = self._positions(chunks, device, uploads)
-        return inputs._replace(positions=positions if positions is not None else inputs.positions,
-                               embeds=self._embeds(chunks, device, uploads))  # fmt: skip
+        positions = step_positions(chunks, [chunk_rope(c) for c in chunks], device, uploads)
+        embeds = self._embeds(chunks, device, uploads)
+        if embeds is not None and tp.size > 1:  # the workers, which hold no encoder, take them from here
+            for rows in (embeds.rows, *embeds.deepstack):
+                tp.broadcast(rows.contiguous())
+        return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)
 
     def _embeds(self, chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> PlaceholderEmbeds | None:
         wanted: list[tuple[SeqImage, int, int]] = []  # (image, its first row wanted, its end)
         index: list[int] = []  # the step's rows they replace
         row = 0
         for chunk in chunks:
-            start, end = chunk.start, chunk.start + chunk.num_new_tokens
-            for image in chunk.seq.images.images if chunk.seq.images is not None else ():
-                lo, hi = max(start, image.offset), min(end, image.end)
-                if lo < hi:
-                    wanted.append((image, lo - image.offset, hi - image.offset))
-                    index += range(row + lo - start, row + hi - start)
+            for image, lo, hi in chunk_images(chunk):
+                wanted.append((image, lo, hi))
+                index += range(row + image.offset + lo - chunk.start, row + image.offset + hi - chunk.start)
             row += chunk.num_new_tokens
         if not wanted:
             return None
@@ -108,29 +112,71 @@ class ImageRows:
                 rows, deepstack = self.cache.pop(key)
                 self.rows_held -= rows.shape[0] * (1 + len(deepstack))
 
-    @staticmethod
-    def _positions(chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> torch.Tensor | None:
-        """The step's positions: [T], or [3, T] where an image row's axes differ; None where no sequence of the
-        step has M-RoPE positions (pack_step's stand)."""
-        if all(c.seq.images is None or c.seq.images.positions is None for c in chunks):
-            return None
-        flat: list[int] = []  # a row's position where its three axes are equal (its first axis', else)
-        spread: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of the chunks whose axes differ
-        for chunk in chunks:
-            images, start, n = chunk.seq.images, chunk.start, chunk.num_new_tokens
-            if images is None or images.positions is None:
-                flat += range(start, start + n)
-            elif n == 1 and start >= images.positions.shape[1]:  # a decode row: past the prompt
-                flat.append(start + images.delta)
-            else:
-                part = mrope_positions_range(images.positions, images.delta, start, start + n)
-                if not (torch.equal(part[0], part[1]) and torch.equal(part[0], part[2])):
-                    spread.append((len(flat), part))
-                flat += part[0].tolist()
-        positions = to_device(flat, torch.int64, device, uploads)
-        if not spread:
-            return positions
-        positions = positions.expand(3, -1).clone()
-        for row, part in spread:
-            positions[:, row : row + part.shape[1]] = part.to(device)
+
+def chunk_images(chunk: Chunk) -> list[tuple[SeqImage, int, int]]:
+    """The images a chunk computes tokens of: (image, its first row computed, the end of them), rows counted from
+    the image's first token."""
+    images, start, end = chunk.seq.images, chunk.start, chunk.start + chunk.num_new_tokens
+    overlaps = ((i, max(start, i.offset), min(end, i.end)) for i in (images.images if images is not None else ()))
+    return [(image, lo - image.offset, hi - image.offset) for image, lo, hi in overlaps if lo < hi]
+
+
+def chunk_image_rows(chunk: Chunk) -> list[int]:
+    """The rows of a chunk (from 0) that are image tokens: what a worker writes the broadcast rows over."""
+    first = [image.offset - chunk.start for image, _, _ in chunk_images(chunk)]
+    return [r for f, (_, lo, hi) in zip(first, chunk_images(chunk)) for r in range(f + lo, f + hi)]
+
+
+def chunk_rope(chunk: Chunk) -> list[int]:
+    """A chunk's M-RoPE positions, flat: one a token where its three axes agree (text, decode rows: index + delta),
+    else [3, n] row by row; empty where its sequence has none (its positions are its token indices)."""
+    images, start, n = chunk.seq.images, chunk.start, chunk.num_new_tokens
+    if images is None or images.positions is None:
+        return []
+    if n == 1 and start >= images.positions.shape[1]:  # a decode row: past the prompt
+        return [start + images.delta]
+    part = mrope_positions_range(images.positions, images.delta, start, start + n)
+    equal = torch.equal(part[0], part[1]) and torch.equal(part[0], part[2])
+    return part[0].tolist() if equal else part.flatten().tolist()
+
+
+def step_positions(
+    chunks: list[Chunk], ropes: list[list[int]], device: torch.device, uploads: Uploads | None
+) -> torch.Tensor | None:
+    """The step's positions from each chunk's ``chunk_rope``: [T], or [3, T] where an image row's axes differ; None
+    where no chunk has M-RoPE positions (``pack_step``'s stand)."""
+    if not any(ropes):
+        return None
+    flat: list[int] = []  # a row's position where its three axes are equal (its first axis', else)
+    spread: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of the chunks whose axes differ
+    for chunk, rope in zip(chunks, ropes, strict=True):
+        start, n = chunk.start, chunk.num_new_tokens
+        if len(rope) == 3 * n and n > 0 and len(rope) != n:
+            spread.append((len(flat), torch.tensor(rope).view(3, n)))
+            rope = rope[:n]
+        flat += rope or range(start, start + n)
+    positions = to_device(flat, torch.int64, device, uploads)
+    if not spread:
         return positions
+    positions = positions.expand(3, -1).clone()
+    for row, part in spread:
+        positions[:, row : row + part.shape[1]] = part.to(device)
+    return positions
+
+
+def received_inputs(
+    chunks: list, inputs: StepInputs, tp: TensorParallel, width: tuple[int, int, torch.dtype], uploads: Uploads | None
+) -> StepInputs:
+    """A worker's ``step_inputs``: rank 0's positions and image rows from the step's message (each chunk's ``rope``
+    and ``image_rows``) and its broadcast. ``width``: (hidden size, DeepStack levels that follow the rows, dtype)."""
+    hidden, levels, dtype = width
+    device = inputs.input_ids.device
+    positions = step_positions(chunks, [c.rope for c in chunks], device, uploads)
+    starts = accumulate([0] + [c.num_new_tokens for c in chunks])
+    index = [row + r for row, c in zip(starts, chunks) for r in c.image_rows]
+    embeds = None
+    if index:
+        shape = (len(index), hidden)
+        rows = [tp.broadcast(torch.empty(shape, dtype=dtype, device=device)) for _ in range(1 + levels)]
+        embeds = PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows[0], tuple(rows[1:]))
+    return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)

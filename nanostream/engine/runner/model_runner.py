@@ -1,10 +1,9 @@
 """Runs the model on a device: builds it with its kernels, owns the KV pool, launches steps, reads samples.
 
-The runner knows nothing of scheduling: it gets the step's chunks (which tokens of which sequences
-to compute, ``step_inputs.Chunk``) and returns the token sampled for every sequence whose chunk
-reached its end. Its helpers, by job: kv_pool.py (how many blocks, the allocation), step_inputs.py
-(packing a step), sampling_batch.py (sampling parameters as tensors, samples read back),
-decode_graphs.py (decode replays), prefill_graphs.py (the steps with prompt tokens).
+The runner knows nothing of scheduling: it gets the step's chunks (which tokens of which sequences to compute,
+``step_inputs.Chunk``) and returns the token sampled for every sequence whose chunk reached its end. Its helpers, by
+job: kv_pool.py (how many blocks, the allocation), step_inputs.py (packing a step), image_rows.py (images),
+sampling_batch.py (sampling parameters as tensors, samples read back), decode_graphs.py, prefill_graphs.py (graphs).
 
 With tensor parallelism every rank has a runner over its shard of the model. Rank 0's ``launch`` first
 publishes the step to the others (``control``: engine/tp/workers.py); every rank then runs it
@@ -25,7 +24,7 @@ from nanostream.config import EngineConfig
 from nanostream.distributed.group import SINGLE, TensorParallel
 from nanostream.engine.runner.cache_pool import CacheLayout, allocate_caches, init_states
 from nanostream.engine.runner.decode_graphs import DecodeGraphs
-from nanostream.engine.runner.image_rows import ImageRows
+from nanostream.engine.runner.image_rows import ImageRows, received_inputs
 from nanostream.engine.runner.in_flight import InFlight, StepControl, copy_to_host
 from nanostream.engine.runner.kv_pool import kv_dtype, measure_cuda_kv_budget, plan_cache, short_chunk_steps, worst_step
 from nanostream.engine.runner.pooled import launch_pooling
@@ -50,7 +49,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     """``tp``: this process's rank (default: the only one); ``control``: on rank 0 of several, the workers;
-    ``vision``: the checkpoint's vision tower, where requests may bring images (image_rows.py)."""
+    ``vision``: a vision-language model's tower (image_rows.py); ``image_levels``: a worker's of one (its DeepStack)."""
 
     def __init__(
         self,
@@ -61,6 +60,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         control: StepControl | None = None,
         vision: VisionTower | None = None,
+        image_levels: int | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -93,6 +93,7 @@ class ModelRunner:
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
         )  # fmt: skip
         self.images = None if vision is None else ImageRows.of(vision, model_path, config, self.dtype, self.device)
+        self.image_width = None if image_levels is None else (spec.hidden_size, image_levels, self.dtype)
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.layout = CacheLayout(self.model.cache_specs())  # which layers page KV, which keep a state
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists
@@ -189,7 +190,9 @@ class ModelRunner:
         recurrent layers, their slots too, and the slots zeroed or restored for the step (done here)."""
         inputs = pack_step(chunks, self.block_size, self.device, prev, self.uploads, len(self.layout.groups))
         if self.images is not None:
-            inputs = self.images.step_inputs(chunks, inputs, self.uploads)
+            inputs = self.images.step_inputs(chunks, inputs, self.uploads, self.tp)
+        elif self.image_width is not None:  # a worker: rank 0's rows and positions
+            inputs = received_inputs(chunks, inputs, self.tp, self.image_width, self.uploads)
         if not self.layout.has_state:
             return inputs
         states = pack_states(chunks, self.device, self.uploads)

@@ -5,18 +5,20 @@ step rank 0 sends the chunk's own token ids (``PENDING`` where the step in fligh
 reads that value from rank 0's broadcast samples, on the device), where it starts, whether it samples, and
 the KV blocks its sequence gained since the worker last heard of it. Block tables only grow, except when
 the block manager frees a sequence (preemption, finish), which gives it new lists: then the whole table is
-sent again (a model with several KV groups has a table per group, all as long: each is sent alike). Sequences
-are numbered (``handle``), so a step names each with a small integer. Frames are msgspec structs (never pickles:
-they travel over sockets).
+sent again (a model with several KV groups has a table per group, all as long: each is sent alike). A chunk of a
+sequence with images also carries its M-RoPE positions and which of its rows are image tokens, whose embeddings
+rank 0 (which alone holds the vision encoder) broadcasts in the step. Sequences are numbered (``handle``), so a step
+names each with a small integer. Frames are msgspec structs (never pickles: they travel over sockets).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from nanostream.config import EngineConfig
+from nanostream.engine.runner.image_rows import chunk_image_rows, chunk_rope
 from nanostream.engine.runner.step_inputs import Chunk
 from nanostream.engine.sequence import Sequence
 from nanostream.engine.state_slots import ChunkState
@@ -28,6 +30,7 @@ class Setup(msgspec.Struct, array_like=True):
 
     config: EngineConfig
     spec: DecoderSpec
+    image_levels: int | None = None  # a model that takes images: the DeepStack levels that follow each step's rows
 
 
 class ChunkUpdate(msgspec.Struct, array_like=True):
@@ -39,6 +42,8 @@ class ChunkUpdate(msgspec.Struct, array_like=True):
     blocks: list[int]  # ... these blocks (0: a new table)
     state: ChunkState | None = None  # a model with recurrent layers: the chunk's state slot, start, snapshots
     group_blocks: list[list[int]] = []  # KV groups 1, 2, ...: their tables' blocks from table_start on
+    rope: list[int] = []  # its M-RoPE positions (a sequence with images: image_rows.chunk_rope)
+    image_rows: list[int] = []  # its rows that are image tokens, whose embeddings rank 0 broadcasts
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -98,7 +103,10 @@ class StepWriter:
             start, end = chunk.start, chunk.start + chunk.num_new_tokens
             groups = [table[m.sent :] for table in seq.block_tables[1:]]
             tokens, blocks = seq.token_ids[start:end], m.table[m.sent :]
-            updates.append(ChunkUpdate(m.handle, start, tokens, chunk.samples, m.sent, blocks, chunk.state, groups))
+            images = () if seq.images is None else (chunk_rope(chunk), chunk_image_rows(chunk))
+            updates.append(
+                ChunkUpdate(m.handle, start, tokens, chunk.samples, m.sent, blocks, chunk.state, groups, *images)
+            )
             m.sent = len(m.table)
         if len(self._known) > len(updates):  # someone is not in this step: perhaps finished
             for rid in [rid for rid, m in self._known.items() if m.seq.is_finished]:
@@ -136,6 +144,8 @@ class MirroredChunk:
     num_new_tokens: int
     samples: bool
     state: ChunkState | None = None
+    rope: list[int] = field(default_factory=list)  # (ChunkUpdate's)
+    image_rows: list[int] = field(default_factory=list)
 
 
 class StepReader:
@@ -159,5 +169,5 @@ class StepReader:
                 for table, blocks in zip(tables, [u.blocks, *u.group_blocks], strict=True):
                     table += blocks
             seq = MirroredSeq(u.handle, _Window(u.start, u.token_ids), tables)
-            chunks.append(MirroredChunk(seq, u.start, len(u.token_ids), u.samples, u.state))
+            chunks.append(MirroredChunk(seq, u.start, len(u.token_ids), u.samples, u.state, u.rope, u.image_rows))
         return chunks

@@ -76,7 +76,9 @@ class WorkerGroup:
     (``nanostream serve`` does; a program of its own sets ``MULTICAST_OFF`` of distributed/rendezvous.py).
     """
 
-    def __init__(self, config: EngineConfig, spec: DecoderSpec, rendezvous: Rendezvous | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, spec: DecoderSpec, rendezvous: Rendezvous | None = None, vision=None
+    ) -> None:
         size = config.tensor_parallel_size
         check_split(spec, size)
         device = torch.device(config.device)
@@ -102,7 +104,8 @@ class WorkerGroup:
         self.watch = Watch(store, size, config.worker_timeout, lambda why: _call(method, why), self._processes)
         # The workers die with this object (or when the interpreter exits) at the latest.
         self._finalizer = weakref.finalize(self, _kill, self._processes, self.watch)
-        store.set("setup", encode(Setup(config, spec)))
+        levels = None if vision is None else len(vision.deepstack_levels)  # (a model that takes images: its tower's)
+        store.set("setup", encode(Setup(config, spec, levels)))
         self.watch.start()
         try:
             for r in range(1, size) if local else ():

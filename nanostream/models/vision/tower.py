@@ -50,6 +50,11 @@ class VisionTower:
     def merge(self) -> int:
         return self.spec.spatial_merge_size
 
+    @property
+    def deepstack_levels(self) -> tuple[int, ...]:
+        """The encoder blocks whose DeepStack features join the language model (Qwen3-VL's; none elsewhere)."""
+        return tuple(getattr(self.spec, "deepstack_visual_indexes", ()))
+
     def build(self, path: Path, *, dtype: torch.dtype, device: torch.device | str, load_format: str) -> torch.nn.Module:
         """The encoder with the checkpoint's weights (random ones for ``load_format="dummy"``), in eval mode."""
         with torch.device(device):
