@@ -266,3 +266,16 @@ def test_two_ranks_take_images_as_one_does(name, tmp_path):
 def _placeholders(path):
     config = AutoConfig.from_pretrained(path)
     return dict(image=config.image_token_id, start=config.vision_start_token_id, end=config.vision_end_token_id)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_on_a_gpu_images_give_the_cpu_engines_tokens(backend, vl):
+    # The encoder on the device (its largest batch encoded at start-up, inside the memory measurement), image rows
+    # and [3, T] positions in eager prompt steps, the decode steps' CUDA graphs with M-RoPE's one position a row;
+    # float32, so the tokens are the CPU's.
+    requests = [_request(vl, parts, seed=i) for i, parts in enumerate(REQUESTS.values())]
+    inputs = [(ids, images) for ids, images, _, _ in requests]
+    cpu, _ = _run(_engine(vl), inputs, 12)
+    gpu, _ = _run(_engine(vl, device="cuda", attention_backend=backend, max_num_seqs=8), inputs, 12)
+    assert gpu == cpu

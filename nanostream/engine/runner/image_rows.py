@@ -13,6 +13,7 @@ rows gets [3, T].
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from itertools import accumulate
 from pathlib import Path
@@ -44,6 +45,15 @@ class ImageRows:
         """The tower's encoder on ``device``; its cache holds a step's worth of rows (max_num_batched_tokens)."""
         encoder = tower.build(path, dtype=dtype, device=device, load_format=config.load_format)
         return cls(encoder, budget_rows=config.max_num_batched_tokens, max_patches=4 * config.max_num_batched_tokens)
+
+    @torch.inference_mode()
+    def encode_largest(self, device: torch.device) -> None:
+        """Encode one image of the most patches a step encodes at once (``max_patches``) and drop its rows: start-up's
+        measurement of the memory left for the KV pool then counts the encoder's peak."""
+        spec = self.encoder.spec
+        side = math.isqrt(self.max_patches) // spec.spatial_merge_size * spec.spatial_merge_size
+        dtype = next(self.encoder.parameters()).dtype
+        self.encoder(torch.zeros(side * side, spec.patch_pixels, dtype=dtype, device=device), [(1, side, side)])
 
     def step_inputs(
         self, chunks: list[Chunk], inputs: StepInputs, uploads: Uploads | None = None, tp: TensorParallel = SINGLE

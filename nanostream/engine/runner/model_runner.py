@@ -66,8 +66,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.kv_dtype = kv_dtype(config, spec)  # the KV pool's: the model's, or float8 e4m3
-        self.block_size = config.kvcache_block_size
-        self.spec = spec
+        self.block_size, self.spec = config.kvcache_block_size, spec
         if config.batch_invariant and spec.latent_attention is not None:  # decode absorbed, prompt rows expanded
             raise ValueError("batch_invariant does not run latent attention (MLA) yet: leave batch_invariant off")
         self.vocab_size = self.spec.vocab_size
@@ -169,9 +168,10 @@ class ModelRunner:
         return measure_cuda_kv_budget(self.device, self.config.gpu_memory_utilization, self._run_worst_step)
 
     def _run_worst_step(self) -> None:
-        """The step that peaks memory, on a pool of its own (freed after): it measures the KV budget, and it
-        compiles the kernels of the longest prompt chunks (the largest attention tiles, FlashAttention-4's
-        variants) at start-up, not when the first long prompt comes."""
+        """The step that peaks memory, on a pool of its own (freed after), and the largest image batch: they measure
+        the KV budget and compile the longest chunks' kernels (FlashAttention-4's variants) before the first prompt."""
+        if self.images is not None:
+            self.images.encode_largest(self.device)
         num_blocks, chunks = worst_step(self.config)
         self.kv_caches = self._allocate_kv(num_blocks)
         self.collect(self.launch_local(chunks))  # every rank runs it: no control message
