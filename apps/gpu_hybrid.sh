@@ -9,11 +9,13 @@
 #   bash apps/gpu_hybrid.sh htests  # test_hybrid_engine.py's GPU tests alone, ~5 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
+#   bash apps/gpu_hybrid.sh images  # issue 58: test_image_engine.py's GPU tests, then apps/bench_images.py on the
+#                                   #   Qwen3.5-9B VL shape (dummy weights): 256 requests with a 448 x 448 image vs without
 #   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
 #                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
-stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|mla}
+stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|images|mla}
 site=/tmp/nanostream-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null 2>&1
@@ -77,6 +79,10 @@ engine|htests)  # the hybrid engine's GPU tests alone (a stack dump of every thr
     [ "$stage" = htests ] && exit 0
     BENCH_S=120 bench qwen3-8b qwen3-8b "${dummy[@]}"
     BENCH_S=190 bench qwen3.5-9b qwen3.5-9b ;;
+images)
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 tests/test_image_engine.py 2>&1 | tail -n 12
+    timeout 330 python3 apps/bench_images.py --preset qwen3.5-9b-vl 2>&1 | grep -v "Loading weights" \
+        | tee "$out/bench_images.log" | tail -n 8 ;;
 mla)
     timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b

@@ -30,6 +30,7 @@ MIXTRAL_8X7B = "mixtral-8x7b"
 GEMMA3_4B = "gemma-3-4b"
 GPT_OSS_20B = "gpt-oss-20b"
 QWEN3_5_9B = "qwen3.5-9b"
+QWEN3_5_9B_VL = "qwen3.5-9b-vl"
 QWEN3_6_35B_A3B = "qwen3.6-35b-a3b"
 QWEN3_6_35B_A3B_FP8 = "qwen3.6-35b-a3b-fp8"
 MOONLIGHT_16B_A3B = "moonlight-16b-a3b"
@@ -264,6 +265,14 @@ PRESETS[LLAMA4_SCOUT_FP8] = preset(
                      "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
     bos_token_id=200000, eos_token_id=200001,
     quantization_config=PRESETS[QWEN3_8B_FP8]["quantization_config"],
+)  # fmt: skip
+
+# Qwen3.5-9B as published: the 9B's language model and its vision tower (27 blocks of 1152, 16-pixel patches
+# merged 2 x 2 into one token of the language model's width, a 48 x 48 learned position grid).
+PRESETS[QWEN3_5_9B_VL] = dict(
+    PRESETS[QWEN3_5_9B], architecture="Qwen3_5ForConditionalGeneration",
+    vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304),
 )  # fmt: skip
 
 # A Gemma 4 shape: transformers' Gemma4TextConfig defaults (its docstring names google/gemma-4-e2b-it; not checked

@@ -181,8 +181,8 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     """The transformers config of ``make_tiny_model(DIR, architecture=..., **config_overrides)``, in memory."""
     config_cls, _ = _classes(architecture)
     if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
+        tower = dict(_MULTIMODAL[architecture][2]) | config_overrides.pop("vision_config", {})  # a shape's own
         text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
-        tower = dict(_MULTIMODAL[architecture][2])
         if architecture in vision.VISION_TOKENS:  # Qwen's: its merger's output is the text model's width
             tower["out_hidden_size"] = text.hidden_size
         tokens, text.vocab_size = vision.vision_token_ids(architecture) or ({}, text.vocab_size)  # its placeholders
