@@ -24,6 +24,7 @@ WEATHER = {
 }
 TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 
 
 def scripted(text: str) -> dict:
@@ -131,7 +132,12 @@ def test_x_api_key_is_checked(url, model):
     ("body", "fragment"),
     [
         ({"messages": ASK}, "max_tokens"),
-        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image'"),
+        ({"max_tokens": 5, "messages": [{"role": "user", "content": [IMAGE]}]}, "takes no images"),
+        (
+            {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "base64 and url",
+        ),
+        ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [IMAGE]}]}, "'image'"),
         ({"max_tokens": 5, "messages": ASK, "tools": [{"name": "f", "input_schema": "not a schema"}]}, "input_schema"),
         ({"max_tokens": 5, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "s"}]}, "built-in"),
         ({"max_tokens": 5, "messages": ASK, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),

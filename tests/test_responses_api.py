@@ -182,7 +182,12 @@ def test_previous_response_id_across_three_turns_get_and_delete(api, model, http
         ({"background": True}, "background", "background"),
         ({"tools": [{**TOOL, "parameters": "not a schema"}]}, "tools", "JSON Schema"),
         ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            None,
+            "takes no images",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "input_file"),
         ({"frobnicate": 1}, "frobnicate", "not a field"),
         ({"reasoning": {"summary": "detailed"}}, "reasoning.summary", ""),
         ({"include": ["message.output_text.logprobs"]}, "include.0", ""),

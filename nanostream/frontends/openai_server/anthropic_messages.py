@@ -108,7 +108,7 @@ class MessageRender:
 
 
 class MessagesAPI:
-    """The Messages routes of the server (``self.chat_stream``, ``self.chat_prompt`` come from it)."""
+    """The Messages routes of the server (``self.chat_stream``, ``self.chat_inputs`` come from it)."""
 
     def _chat(self, body: MessagesRequest):
         self.check_model(body.model)
@@ -119,7 +119,7 @@ class MessagesAPI:
             raise RequestValidationError(exc.errors()) from None
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        ids, *_ = self.chat_prompt(self._chat(body))
+        ids, *_ = await self.chat_inputs(self._chat(body))  # (images prepared: their tokens counted)
         return {"input_tokens": len(ids)}
 
     async def create_message(self, body: MessagesRequest, request: Request) -> Response:

@@ -54,6 +54,12 @@ IMAGE_PARTS = ("image_url", "input_image", "image")
 """Content parts that carry an image (multimodal/chat.py reads them): a vision-language model's."""
 
 
+def image_part(url: str) -> dict[str, Any]:
+    """A chat message's image part (what the dialects translate theirs into): a data: URL, or an http(s) or file
+    URL that the server's image policy then allows or refuses."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")  # an image part's image_url
 

@@ -22,6 +22,7 @@ from nanostream.frontends.openai_server.structured import ToolPlan, constraint_o
 from nanostream.frontends.openai_server.unsupported import check_supported
 from nanostream.multimodal import split_image_parts
 from nanostream.multimodal.request import prompt_images
+from nanostream.protocol import ImageInput
 
 
 class Generation:
@@ -59,19 +60,25 @@ class Generation:
 
     async def chat_stream(self, body: ChatRequest, logprobs: int | None = None) -> tuple[Stream, ToolPlan]:
         """The engine stream of a checked chat request, and how its tools are handled: the one path from
-        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages).
-        Its images (a vision-language model's) are fetched, decoded and prepared off the event loop."""
-        ids, plan, sources = self.chat_prompt(body)
-        images = []
-        if sources:
-            preparer, refusal = self.client.image_preparer()
-            policy = self.image_policy
-            ids, images = await anyio.to_thread.run_sync(prompt_images, ids, sources, preparer, policy, refusal)
+        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages)."""
+        ids, plan, images = await self.chat_inputs(body)
         params = body.sampling_params(body.max_new_tokens(), logprobs, constraint_of(body, plan))
         if not images:  # (a prompt with images is not cut: its placeholders must stay whole)
             ids = body.truncated(ids, self.client.max_model_len, body.max_new_tokens())
         stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser, images=images)
         return stream, plan
+
+    async def chat_inputs(self, body: ChatRequest) -> tuple[list[int], ToolPlan, list[ImageInput]]:
+        """A chat request's prompt token ids, each image's placeholder widened to its tokens (what the engine
+        reads, so what a token count counts), its tool plan and its images (a vision-language model's: fetched,
+        decoded and prepared off the event loop)."""
+        ids, plan, sources = self.chat_prompt(body)
+        images: list[ImageInput] = []
+        if sources:
+            preparer, refusal = self.client.image_preparer()
+            policy = self.image_policy
+            ids, images = await anyio.to_thread.run_sync(prompt_images, ids, sources, preparer, policy, refusal)
+        return ids, plan, images
 
     def chat_prompt(self, body: ChatRequest) -> tuple[list[int], ToolPlan, list]:
         """A chat request's prompt token ids, rendered with the model's template (one image token per image), its

@@ -1,7 +1,9 @@
 """Anthropic's Messages API request body (``POST /v1/messages`` and ``/v1/messages/count_tokens``), its
 translation into the chat route's request, and Anthropic's error shape. ``tool_use`` blocks become an
 assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages, ``thinking`` blocks its
-``reasoning_content``; ``thinking`` itself sets the chat template's reasoning switch (``enable_thinking``).
+``reasoning_content``, ``image`` blocks (a user's, or in a tool result) image parts in order with the text
+(base64 as a data: URL, a url source as given); ``thinking`` itself sets the chat template's reasoning
+switch (``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanostream.frontends.openai_server.chat_protocol import ChatRequest, function_tool, tool_call
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest, function_tool, image_part, tool_call
 from nanostream.frontends.openai_server.protocol import APIError, Int64, bad_request
 from nanostream.frontends.openai_server.unsupported import check_extra_fields
 
@@ -157,6 +159,52 @@ def _text(blocks: list[dict[str, Any]], where: str) -> str:
     return "\n".join(texts)
 
 
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Chat text and image parts as a message's content: the texts joined with newlines when there is no image."""
+    if any(part["type"] != "text" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
+
+
+def _tool_result(blocks: Any, where: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: a string, or text and image blocks (a tool's screenshot) in order."""
+    if not isinstance(blocks, list):
+        return blocks or ""
+    parts = []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image":
+            parts.append(image_part(_image_url(block, f"{where}[{j}]")))
+        elif kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        else:
+            raise bad_request(f"{where} has a block of type {kind!r}; a tool_result takes text and image blocks", where)
+    return _content(parts)
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL; a url source as given (the server's
+    --allowed-media-domains decides)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not media.startswith("image/") or not isinstance(data, str) or not data:
+            raise bad_request(
+                f"{where}.source (base64) needs media_type (image/png, image/jpeg, image/gif or image/webp) and "
+                "data (the image's base64)",
+                "messages",
+            )
+        return f"data:{media};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str) and source["url"]:
+        return source["url"]
+    raise bad_request(
+        f"{where}.source is of type {kind!r}; this server takes image sources of type base64 and url (it has no "
+        "Files API): send the image's bytes as base64",
+        "messages",
+    )
+
+
 def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: a user's tool results come first, as ``tool`` messages."""
     role, content = message.get("role"), message.get("content")
@@ -167,15 +215,16 @@ def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content blocks", "messages")
     out: list[dict[str, Any]] = []
-    text, calls, thinking = [], [], []
+    parts, calls, thinking = [], [], []  # parts: text and (a user's) image parts, in order
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
-            text.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(image_part(_image_url(block, at)))
         elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
-            result = block.get("content") or ""
-            result = result if isinstance(result, str) else _text(result, at + ".content")
+            result = _tool_result(block.get("content"), at + ".content")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str):
             arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
@@ -187,11 +236,11 @@ def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
         else:
             raise bad_request(
                 f"{at} is a block of type {kind!r} this server does not take in a {role} message (it takes text, "
-                "tool_use and thinking from the assistant, text and tool_result from the user)",
+                "tool_use and thinking from the assistant, text, image and tool_result from the user)",
                 "messages",
             )
-    if text or calls or thinking or not out:
-        chat: dict[str, Any] = {"role": role, "content": "\n".join(text)}
+    if parts or calls or thinking or not out:
+        chat: dict[str, Any] = {"role": role, "content": _content(parts)}
         if calls:
             chat["tool_calls"] = calls
         if thinking:

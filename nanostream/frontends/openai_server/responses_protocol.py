@@ -1,7 +1,8 @@
 """The Responses API's request body (``POST /v1/responses``) and its translation into the chat route's
 request: input items become chat messages (a ``function_call`` an assistant's ``tool_calls``, a
-``function_call_output`` a ``tool`` message, a ``reasoning`` item its ``reasoning_content``), tools and
-``text.format`` their chat forms. What the API has and this server does not run is a 400 naming it.
+``function_call_output`` a ``tool`` message, a ``reasoning`` item its ``reasoning_content``, an
+``input_image`` part an image part in order with the text), tools and ``text.format`` their chat forms.
+What the API has and this server does not run is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanostream.frontends.openai_server.chat_protocol import ChatRequest, function_tool, tool_call
+from nanostream.frontends.openai_server.chat_protocol import ChatRequest, function_tool, image_part, tool_call
 from nanostream.frontends.openai_server.protocol import Int64, bad_request
 from nanostream.frontends.openai_server.unsupported import check_extra_fields
 
@@ -151,23 +152,49 @@ class ResponsesRequest(BaseModel):
         )
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
+
+
 def _text_of(content: Any, where: str) -> str:
-    """A message's or an output's content as text: a string, or text parts joined with newlines."""
+    """An assistant's or a reasoning item's content as text: a string, or text parts joined with newlines."""
+    text = _content_of(content, where, images=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _content_of(content: Any, where: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """A message's or an output's content as the chat route takes it: a string, text parts joined with newlines,
+    or, with an ``input_image`` among them (where ``images``), text and image parts in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of parts", "input")
-    texts = []
-    for part in content:
+    parts = []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text", "reasoning_text") or not isinstance(part.get("text"), str):
-            raise bad_request(
-                f"{where}.content has a part of type {kind!r}; this server takes text parts only "
-                "(input_text, output_text)",
-                "input",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
+        if kind == "input_image" and images:
+            parts.append(image_part(_image_url(part, f"{where}.content[{j}]")))
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            taken = "text parts (input_text, output_text) and input_image" if images else "text parts only"
+            raise bad_request(f"{where}.content has a part of type {kind!r}; this server takes {taken} here", "input")
+    if any(p["type"] != "text" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_url(part: dict[str, Any], where: str) -> str:
+    url = part.get("image_url")
+    if url is None and part.get("file_id") is not None:
+        raise bad_request(
+            f"{where} names an image by file_id; this server has no Files API: send the image as image_url "
+            "(a data:image/...;base64, URL, or an http(s) URL the server allows)",
+            "input",
+        )
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where} (an input_image) needs image_url: a data: URL or an http(s) URL", "input")
+    return url
 
 
 def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -190,15 +217,15 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
-            text = _text_of(item.get("content"), where)
             if role == "assistant":
                 message = assistant()
                 if message.get("tool_calls"):  # text after a call: a new message
                     message["_closed"] = True
                     message = assistant()
-                message["content"] += text
+                message["content"] += _text_of(item.get("content"), where)
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                content = _content_of(item.get("content"), where)
+                out.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "reasoning":
             parts = item.get("content") or []
             opaque = item.get("encrypted_content")  # (this server's own: the text, as `include` asked for it)
@@ -216,7 +243,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where} (a function_call_output) needs the call_id it answers", "input")
             output = item.get("output")
-            output = output if isinstance(output, str) else _text_of(output, where)
+            output = _content_of(output, where)  # (a tool's screenshot: input_image parts)
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
     for message in out:
         message.pop("_closed", None)
