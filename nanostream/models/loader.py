@@ -174,7 +174,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     param.copy_(tensor[:])
             loaded.update(f"{target}:{s}" for s in (filled or [shard]))
     for prefix, count in unused.items():
-        log.info("%s: %d tensors under %s* left out of the language model", arch, count, prefix)
+        log.info("%s: %d tensors under %s* not loaded (not the language model's)", arch, count, prefix)
     if unexpected:
         raise ModelLoadError(
             f"{path} holds {len(unexpected)} tensor(s) that {arch} has no place for, e.g. "
