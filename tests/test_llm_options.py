@@ -189,7 +189,7 @@ def test_a_reasoning_parser_puts_the_constraint_after_the_reasoning(llm, monkeyp
     seen = []
     add = llm.engine.add_request
     monkeypatch.setattr(
-        llm.engine, "add_request", lambda rid, ids, p: seen.append(p.structured_outputs) or add(rid, ids, p)
+        llm.engine, "add_request", lambda rid, ids, p, *images: seen.append(p.structured_outputs) or add(rid, ids, p)
     )
     llm.chat(messages, params, use_tqdm=False, reasoning_parser="qwen3")
     assert seen[-1].reasoning == ("<think>", "</think>")
