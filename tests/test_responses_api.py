@@ -184,7 +184,7 @@ def test_previous_response_id_across_three_turns_get_and_delete(api, model, http
         ({"previous_response_id": "resp_missing"}, "previous_response_id", "resp_missing"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            None,
+            "input",
             "takes no images",
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "input_file"),

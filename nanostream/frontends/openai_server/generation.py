@@ -58,17 +58,22 @@ class Generation:
         options.role, options.echo = body.role, None if echoed is None else [echoed]
         return await self._respond(request, body, stream, Reply(options))
 
-    async def chat_stream(self, body: ChatRequest, logprobs: int | None = None) -> tuple[Stream, ToolPlan]:
+    async def chat_stream(
+        self, body: ChatRequest, logprobs: int | None = None, where: str = "messages"
+    ) -> tuple[Stream, ToolPlan]:
         """The engine stream of a checked chat request, and how its tools are handled: the one path from
-        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages)."""
-        ids, plan, images = await self.chat_inputs(body)
+        a conversation to tokens, for the chat route and the dialects translated onto it (Responses, Messages).
+        ``where``: the request's field an image error names (the Responses API's is ``input``)."""
+        ids, plan, images = await self.chat_inputs(body, where)
         params = body.sampling_params(body.max_new_tokens(), logprobs, constraint_of(body, plan))
         if not images:  # (a prompt with images is not cut: its placeholders must stay whole)
             ids = body.truncated(ids, self.client.max_model_len, body.max_new_tokens())
         stream = Stream(self.client.connection, ids, params, reasoning_parser=self.reasoning_parser, images=images)
         return stream, plan
 
-    async def chat_inputs(self, body: ChatRequest) -> tuple[list[int], ToolPlan, list[ImageInput]]:
+    async def chat_inputs(
+        self, body: ChatRequest, where: str = "messages"
+    ) -> tuple[list[int], ToolPlan, list[ImageInput]]:
         """A chat request's prompt token ids, each image's placeholder widened to its tokens (what the engine
         reads, so what a token count counts), its tool plan and its images (a vision-language model's: fetched,
         decoded and prepared off the event loop)."""
@@ -77,7 +82,10 @@ class Generation:
         if sources:
             preparer, refusal = self.client.image_preparer()
             policy = self.image_policy
-            ids, images = await anyio.to_thread.run_sync(prompt_images, ids, sources, preparer, policy, refusal)
+            try:
+                ids, images = await anyio.to_thread.run_sync(prompt_images, ids, sources, preparer, policy, refusal)
+            except InvalidRequestError as exc:  # an image that cannot be had or read, a model without images
+                raise bad_request(str(exc), where) from None
         return ids, plan, images
 
     def chat_prompt(self, body: ChatRequest) -> tuple[list[int], ToolPlan, list]:

@@ -173,7 +173,7 @@ class ResponsesAPI:
             chat = body.chat_request(history)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        stream, plan = await self.chat_stream(chat)
+        stream, plan = await self.chat_stream(chat, where="input")
         turn = Turn(self.tool_parser if plan.parse else None)
         render = ResponseRender(body, self.served_model_name, turn, len(stream.prompt_token_ids), self.client.tokenizer)
         conversation = history + body.messages()
