@@ -13,13 +13,12 @@ from transformers import AutoTokenizer
 
 from nanostream.client.chat_template import render_chat
 from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish_vector
-from nanostream.client.prompts import Prompt, as_prompts, prompt_ids
+from nanostream.client.prompts import Prompt, as_prompts, prompt_and_images, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.samples import SampleGroup
 from nanostream.config import EngineConfig
 from nanostream.engine.grammar_text import parse as parse_grammar
 from nanostream.engine.llm_engine import LLMEngine
-from nanostream.errors import InvalidRequestError
 from nanostream.multimodal import ImagePolicy, split_image_parts
 from nanostream.multimodal.request import load_preparer, prompt_images
 from nanostream.outputs import RequestOutput
@@ -110,7 +109,7 @@ class LLM:
             )
         requests = []
         for prompt, p in zip(prompts, params):
-            prompt, sources = _with_images(prompt)
+            prompt, sources = prompt_and_images(prompt)
             ids = prompt_ids(self.tokenizer, prompt, self.engine.vocab_size)
             ids, images = prompt_images(ids, sources, self.image_preparer, self.image_policy, self._no_images)
             requests.append((f"offline-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, p, images))
@@ -211,19 +210,3 @@ class LLM:
             )
             for group, (_, text, ids, _, _) in zip(groups, requests)
         ]
-
-
-def _with_images(prompt: Any) -> tuple[Any, list]:
-    """(the prompt itself, its image sources) of a prompt, or of a dict with images (vLLM's form:
-    ``{"prompt": ..., "multi_modal_data": {"image": one or a list}}``; ``prompt_token_ids`` for ``prompt``)."""
-    if not isinstance(prompt, dict):
-        return prompt, []
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
-    data = prompt.get("multi_modal_data") or {}
-    if unknown or not isinstance(data, dict) or set(data) - {"image"}:
-        raise InvalidRequestError(
-            'a prompt dict takes "prompt" (or "prompt_token_ids") and "multi_modal_data": {"image": ...}; got '
-            f"{sorted(unknown) or sorted(data) if isinstance(data, dict) else type(data).__name__}"
-        )
-    images = data.get("image", [])
-    return prompt.get("prompt", prompt.get("prompt_token_ids")), images if isinstance(images, list) else [images]

@@ -81,9 +81,13 @@ def test_served_images_match_the_offline_engine_and_bad_ones_are_400s(tmp_path, 
                 parts = [{"type": "text", "text": "Describe it."}, {"type": "image", "image": image}]
                 messages = [{"role": "user", "content": parts}]
                 stream = client.chat(messages, max_tokens=10, temperature=0, ignore_eos=True)
-                return "".join([chunk.text async for chunk in stream])
+                chat = "".join([chunk.text async for chunk in stream])
+                raw = "<|im_start|>user\nDescribe it.<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                raw += "<|im_start|>assistant\n"  # (the template's rendering, a prompt of vLLM's dict form)
+                prompt = {"prompt": raw, "multi_modal_data": {"image": image}}
+                return chat, (await client.generate(prompt, max_tokens=10, temperature=0, ignore_eos=True)).text
 
-        assert anyio.run(through_the_client) == want.outputs[0].text
+        assert anyio.run(through_the_client) == (want.outputs[0].text, want.outputs[0].text)
 
 
 def test_a_text_model_says_it_takes_no_images(tmp_path, monkeypatch):

@@ -176,7 +176,7 @@ def test_n_samples_merge_into_the_same_outputs_through_llm_and_async_client(engi
 
 
 @pytest.mark.parametrize(
-    "prompt", [123, None, {"prompt": "hi"}, [1.5, 2.5], b"abc"], ids=["int", "none", "dict", "floats", "bytes"]
+    "prompt", [123, None, {"text": "hi"}, [1.5, 2.5], b"abc"], ids=["int", "none", "dict", "floats", "bytes"]
 )
 def test_a_prompt_of_another_type_raises_the_same_error_offline_and_streamed(engine, llm, prompt):
     with pytest.raises(InvalidRequestError, match="a prompt must be a string or a list of token ids") as offline:

@@ -24,10 +24,11 @@ from nanostream import protocol as p
 from nanostream.client.chat_template import render_chat
 from nanostream.client.connection import ADDRESS_ENV, AUTH_TOKEN_ENV, Connection
 from nanostream.client.embeddings import EMBED_PARAMS, embedding_pooling, finish_vector
-from nanostream.client.prompts import as_prompts, prompt_ids
+from nanostream.client.prompts import as_prompts, prompt_and_images, prompt_ids
 from nanostream.client.reasoning import get_reasoning_parser
 from nanostream.client.stream import Stream
 from nanostream.client.tokenizer_cache import load_image_preparer
+from nanostream.errors import InvalidRequestError
 from nanostream.multimodal import ImagePolicy, split_image_parts
 from nanostream.multimodal.request import prompt_images
 from nanostream.outputs import Completion, Embeddings
@@ -141,8 +142,17 @@ class AsyncClient:
         params = self._params(sampling_params, kwargs)
         # (no prompt at all: an empty one, which the engine refuses with its own message)
         vocab = self.connection.welcome.vocab_size
-        prompts = [prompt_ids(self.tokenizer, one, vocab) for one in as_prompts(prompt)] or [[]]
-        return Stream(self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:], collect=collect)
+        split = [prompt_and_images(one) for one in as_prompts(prompt)]  # (vLLM's dicts: their images apart)
+        prompts = [prompt_ids(self.tokenizer, one, vocab) for one, _ in split] or [[]]
+        images = []
+        if any(sources for _, sources in split):
+            if len(split) > 1:
+                raise InvalidRequestError("a stream of several prompts takes no images; stream each with its images")
+            preparer, refusal = self.image_preparer()
+            prompts[0], images = prompt_images(prompts[0], split[0][1], preparer, ImagePolicy.trusted(), refusal)
+        return Stream(
+            self.connection, prompts[0], params, timeout, extra_prompts=prompts[1:], collect=collect, images=images
+        )
 
     def chat(
         self,

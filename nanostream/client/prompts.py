@@ -1,6 +1,7 @@
 """What a prompt may be, for ``LLM`` and ``AsyncClient`` alike: a string (tokenized here) or a list of
-token ids (numpy's integers too); several prompts are a list of those. Anything else is an
-``InvalidRequestError``, raised here, before a detokenizer or the wire sees the prompt."""
+token ids (numpy's integers too), or vLLM's dict of one of them and its images (``prompt_and_images``); several
+prompts are a list of those. Anything else is an ``InvalidRequestError``, raised here, before a detokenizer or the
+wire sees the prompt."""
 
 from __future__ import annotations
 
@@ -39,3 +40,28 @@ def prompt_ids(tokenizer: Any, prompt: Any, vocab_size: int) -> list[int]:
     if ids:
         check_token_ids(ids, vocab_size)
     return ids
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_and_images(prompt: Any) -> tuple[Any, list]:
+    """(the prompt, its images' sources) of one prompt: a string or token ids as they are (no images); vLLM's dict,
+    ``{"prompt": text or ids (or "prompt_token_ids": ids), "multi_modal_data": {"image": one or a list}}``, split.
+    A dict of other keys is an ``InvalidRequestError`` (as ``prompt_ids`` words its own)."""
+    if not isinstance(prompt, Mapping):
+        return prompt, []
+    data = prompt.get("multi_modal_data") or {}
+    keys = set(prompt)
+    if (
+        keys - {*_PROMPT_KEYS, "multi_modal_data"}
+        or len(keys & set(_PROMPT_KEYS)) != 1
+        or not isinstance(data, Mapping)
+        or set(data) - {"image"}
+    ):
+        raise InvalidRequestError(
+            'a prompt must be a string or a list of token ids, or a dict of "prompt" (or "prompt_token_ids") and '
+            f'"multi_modal_data": {{"image": ...}}; got a dict of {sorted(map(str, keys))}'
+        )
+    images = data.get("image", [])
+    return prompt[(keys & set(_PROMPT_KEYS)).pop()], list(images) if isinstance(images, (list, tuple)) else [images]
