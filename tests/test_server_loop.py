@@ -87,9 +87,9 @@ async def test_a_burst_of_adds_is_read_a_few_steps_worth_at_a_time_with_steps_la
     engine, runner = server.engine, server.engine.runner
     add, launch = engine.add_request, runner.launch
 
-    def adding(request_id, prompt, params):
+    def adding(request_id, prompt, params, images=()):
         events.append(("add", len(prompt)))
-        return add(request_id, prompt, params)
+        return add(request_id, prompt, params, images)
 
     def launching(chunks, *args, **kwargs):
         events.append(("launch", len(chunks)))
