@@ -62,7 +62,8 @@ def test_gradio_http_and_a_script_stream_from_one_engine_at_once(qwen3_dir, tmp_
             model = api.models.list().data[0].id
 
             def via_gradio() -> str:
-                reply = gradio.predict("Hi there", DEFAULT_SYSTEM_PROMPT, 0.0, 1.0, MAX_TOKENS, api_name="/chat")
+                message = {"text": "Hi there", "files": []}  # the chat's multimodal box (images may go in files)
+                reply = gradio.predict(message, DEFAULT_SYSTEM_PROMPT, 0.0, 1.0, MAX_TOKENS, api_name="/chat")
                 return reply if isinstance(reply, str) else reply[-1]["content"]
 
             def via_http() -> str:
