@@ -203,12 +203,12 @@ def write_config(path, config, architectures: list[str]):
 
 
 def test_a_published_multimodal_model_nanostream_does_not_run_is_refused_by_name_not_with_a_traceback(tmp_path):
-    # As Qwen publishes Qwen3-VL: the language model's settings under text_config, no max_position_embeddings at
-    # the top (Qwen3.5's multimodal checkpoints, alike, run: their language model, tests/test_hybrid_model.py).
-    from transformers import Qwen3VLConfig
+    # As LLaVA is published: the language model's settings under text_config, no max_position_embeddings at the top
+    # (the Qwen vision-language checkpoints, alike, run: tests/test_image_engine.py).
+    from transformers import LlavaConfig
 
-    model = write_config(tmp_path, Qwen3VLConfig(), ["Qwen3VLForConditionalGeneration"])
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['Qwen3VLForConditionalGeneration'\].*"
+    model = write_config(tmp_path, LlavaConfig(), ["LlavaForConditionalGeneration"])
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['LlavaForConditionalGeneration'\].*"
                        r"nanostream runs Qwen3ForCausalLM, .*Gemma3ForCausalLM"):  # fmt: skip
         LLM(str(model), device="cpu")
     done = subprocess.run(
@@ -216,7 +216,7 @@ def test_a_published_multimodal_model_nanostream_does_not_run_is_refused_by_name
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2  # the CLI's exit for an error whose message says what to change
-    assert "Qwen3VLForConditionalGeneration" in done.stderr and "Traceback" not in done.stderr
+    assert "LlavaForConditionalGeneration" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_config_that_lacks_a_field_the_architecture_needs_names_both(tmp_path):
@@ -242,3 +242,17 @@ def test_every_field_the_config_reader_reads_is_named_when_missing():
         partial = SimpleNamespace(**{k: v for k, v in full.items() if k != key})
         with pytest.raises(ModelLoadError, match=rf"Qwen3ForCausalLM's config.json \(SimpleNamespace\) has no {key}"):
             decoder_spec(partial, max_model_len=64)
+
+
+def test_a_checkpoint_without_weights_is_refused_before_its_model_takes_memory(tmp_path):
+    # Qwen3-VL's default shape (an 8B language model: 32 GB in float32) with config.json alone: the refusal comes
+    # before the model is built, so the process never holds the model.
+    import resource
+
+    from transformers import Qwen3VLConfig
+
+    model = write_config(tmp_path, Qwen3VLConfig(), ["Qwen3VLForConditionalGeneration"])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors files .*--load-format dummy"):
+        LLM(str(model), device="cpu")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2 * 2**20  # KiB: under 2 GiB more

@@ -22,7 +22,7 @@ from nanostream.layers.layer_kernels import LayerKernels
 from nanostream.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from nanostream.models.config_reader import decoder_spec
 from nanostream.models.decoder import DecoderForCausalLM
-from nanostream.models.loader import load_dummy_weights, load_weights
+from nanostream.models.loader import checkpoint_files, load_dummy_weights, load_weights
 from nanostream.models.placeholder_embeds import PlaceholderEmbeds
 from nanostream.models.quantization import keep_fp8_weights
 from nanostream.models.spec import DecoderSpec
@@ -65,6 +65,8 @@ def load_model(
 
     An FP8 checkpoint's linear layers keep their FP8 weights where ``keep_fp8`` (None: where ``device``
     multiplies FP8, a GPU of sm89 or newer); otherwise they dequantize to ``dtype`` as they load."""
+    if load_format != "dummy":
+        checkpoint_files(Path(path))  # none is a ModelLoadError now, before the model takes its memory
     with _default_dtype(dtype), torch.device(device):
         model = DecoderForCausalLM(spec, kernels, tp)
     if spec.quantization is not None and (fp8_gemm_available(device) if keep_fp8 is None else keep_fp8):

@@ -93,6 +93,17 @@ def _wanted(model: nn.Module, pname: str, param: nn.Parameter) -> list[str]:
     return [f"{pname}:{s}" for s in shards] if shards else [f"{pname}:None"]
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files, sorted; ``ModelLoadError`` where it has none."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors files in {path}; to run the config's shapes with random weights, "
+            "pass load_format='dummy' (--load-format dummy)"
+        )
+    return files
+
+
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every tensor of ``path/*.safetensors`` into ``model``; raise if a parameter stays unloaded, or if
     a tensor has no place in the model (its weights are for another architecture than config.json names).
@@ -111,12 +122,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     An FP8 checkpoint (config.json's ``quantization_config``, models/quantization.py): each FP8 weight is read
     whole with its scale and dequantized in float32 on the parameter's device, and that tensor is placed as
     above (the copy casts it to the parameter's dtype); its scale is consumed with it."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"no *.safetensors files in {path}; to run the config's shapes with random weights, "
-            "pass load_format='dummy' (--load-format dummy)"
-        )
+    files = checkpoint_files(path)
     params = dict(model.named_parameters())
     spec = getattr(model, "spec", None)
     tied = getattr(spec, "tie_word_embeddings", False)
