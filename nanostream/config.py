@@ -214,6 +214,9 @@ class ServerConfig:
     """Open requests (running or waiting) of one client; more are refused with EngineBusyError."""
     max_client_tokens: int = 8_388_608
     """Prompt tokens of one client's open requests; a request past this is refused with EngineBusyError."""
+    max_image_bytes: int = 4 * 2**30
+    """Pixel rows of the open requests' images, engine-wide (a vision-language model's: ~4.8 MB a 448 x 448 image,
+    held until the request ends); a request past this is refused with EngineBusyError."""
     register: bool = True
     """Record the address where local clients look when they are given none (the user's runtime
     directory), until the engine stops; ``EngineProcess`` engines, private to their program, do not."""
@@ -238,7 +241,8 @@ class ServerConfig:
             or self.stream_interval < 1
         ):
             raise ValueError(f"stream_interval must be a positive integer, got {self.stream_interval!r}")
-        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_client_reqs", "max_client_tokens"):
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_client_reqs", "max_client_tokens",
+                     "max_image_bytes"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

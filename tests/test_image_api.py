@@ -48,7 +48,8 @@ def test_served_images_match_the_offline_engine_and_bad_ones_are_400s(tmp_path, 
     inside = tmp_path / "media"
     inside.mkdir()
     image.save(inside / "photo.png")
-    extra = ("--limit-images-per-prompt", "2", "--allowed-local-media-path", str(inside))
+    # one image's rows (140 patches of 96 float32 values) fit the server's image budget, two at once do not
+    extra = ("--limit-images-per-prompt", "2", "--allowed-local-media-path", str(inside), "--max-image-bytes", "60000")
     (tmp_path / "run").mkdir()
     with served_openai(path, tmp_path / "run", monkeypatch, extra) as (api, said):
         address = said[-1].split(" at ")[-1].strip()
@@ -71,6 +72,12 @@ def test_served_images_match_the_offline_engine_and_bad_ones_are_400s(tmp_path, 
         for name, (sent, says) in bad.items():
             with pytest.raises(openai.BadRequestError, match=says):  # (each case by its name in the failure)
                 api.chat.completions.create(model=path.name, messages=sent, max_tokens=4, user=name)
+        held = api.chat.completions.create(model=path.name, messages=messages, max_tokens=150, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(held))  # open in the engine, its image's rows held
+        with pytest.raises(openai.RateLimitError, match="max-image-bytes"):
+            api.with_options(max_retries=0).chat.completions.create(model=path.name, messages=messages, max_tokens=4)
+        held.close()
         again = api.chat.completions.create(model=path.name, messages=messages, max_tokens=10, temperature=0,
                                             extra_body={"ignore_eos": True})  # fmt: skip
         assert again.choices[0].message.content == want.outputs[0].text

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 from PIL import Image
 
 from nanostream.errors import ModelLoadError
@@ -37,10 +36,8 @@ class PreparedImage:
     grid: tuple[int, int, int]
     """(t, h, w): the processor's ``image_grid_thw`` row, in patches."""
     num_tokens: int
-    """Placeholder tokens the image takes in the prompt: t * h * w // merge_size**2."""
-    digest: bytes
-    """xxh3-128 of the grid and the pixels: two images share it only when the encoder sees the same input
-    (for the prefix cache, whose token ids alone are the same for every image of one size)."""
+    """Placeholder tokens the image takes in the prompt: t * h * w // merge_size**2. (The engine hashes the rows
+    itself, for its encoder and prefix caches: engine/images.py.)"""
 
 
 class ImagePreparer:
@@ -87,9 +84,7 @@ class ImagePreparer:
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)  # [N, D]
         (t, h, w), n = (int(x) for x in out["image_grid_thw"][0]), pixels.shape[0]
         assert out["image_grid_thw"].shape == (1, 3) and t * h * w == n, (out["image_grid_thw"], pixels.shape)
-        grid = (t, h, w)
-        digest = xxhash.xxh3_128(np.asarray(grid, dtype=np.int64).tobytes() + pixels.tobytes()).digest()
-        return PreparedImage(pixels, grid, n // self.merge_size**2, digest)
+        return PreparedImage(pixels, (t, h, w), n // self.merge_size**2)
 
     def expand_placeholders(self, token_ids: list[int], images: list[PreparedImage]) -> list[int]:
         """``place``'s token ids alone."""

@@ -46,6 +46,7 @@ class _Pending:
     identity: bytes
     request_id: str  # the client's id for it
     num_prompt_tokens: int
+    image_bytes: int = 0  # its images' pixel rows, held in the engine until it ends
     buffer: p.RequestDelta | None = None  # None: nothing gathered since the last take
     num_generated: int = 0
     sent_any: bool = False
@@ -68,17 +69,18 @@ class RequestBook:
     def __init__(self, engine: LLMEngine, config: ServerConfig, clients: dict[bytes, Client]) -> None:
         self.engine, self.config, self.clients = engine, config, clients
         self.pending: dict[str, _Pending] = {}  # engine request id -> what is owed to its client
+        self.image_bytes = 0  # the pending requests' images' pixel rows (ServerConfig.max_image_bytes)
         self._deadlines: list[tuple[float, str]] = []  # (monotonic deadline, engine request id), a heap
         self._batch: dict[bytes, list[p.RequestDelta]] = {}  # this iteration's outputs, per client
         self._produced: float | None = None  # when the step that produced them ended
 
     def add(self, client: Client, add: p.Add) -> None:
-        rid, n = add.request_id, len(add.prompt_token_ids)
+        rid, n, nbytes = add.request_id, len(add.prompt_token_ids), sum(len(i.pixels) for i in add.images)
         if not rid or rid in client.requests:
             reason = "request_id is empty" if not rid else f"request id {rid!r} is already in use by this client"
             self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=reason, code="invalid"))
             return
-        busy = self._busy(client, n)
+        busy = self._busy(client, n, nbytes)
         if busy is not None:
             self.emit(client.identity, p.RequestDelta(rid, finish_reason="error", error=busy, code="busy"))
             return
@@ -95,13 +97,20 @@ class RequestBook:
             return
         client.requests.add(rid)
         client.prompt_tokens += n
-        self.pending[engine_id] = _Pending(client.identity, rid, n)
+        self.pending[engine_id] = _Pending(client.identity, rid, n, nbytes)
+        self.image_bytes += nbytes
         if add.timeout is not None:
             heapq.heappush(self._deadlines, (time.monotonic() + add.timeout, engine_id))
 
-    def _busy(self, client: Client, num_tokens: int) -> str | None:
-        """Why a request of ``num_tokens`` prompt tokens cannot be queued now, or None if it can."""
+    def _busy(self, client: Client, num_tokens: int, image_bytes: int = 0) -> str | None:
+        """Why a request of ``num_tokens`` prompt tokens (and ``image_bytes`` of images) cannot be queued now, or
+        None if it can."""
         c, waiting, waiting_tokens = self.config, self.engine.num_waiting, self.engine.num_waiting_tokens
+        if image_bytes and self.image_bytes and self.image_bytes + image_bytes > c.max_image_bytes:
+            return (
+                f"the engine is busy: open requests hold {self.image_bytes} bytes of images and this one adds "
+                f"{image_bytes} (--max-image-bytes {c.max_image_bytes}); retry later"
+            )
         if waiting >= c.max_num_queued_reqs:
             return f"the engine is busy: {waiting} requests wait to run (--max-num-queued-reqs); retry later"
         if waiting and waiting_tokens + num_tokens > c.max_num_queued_tokens:
@@ -175,6 +184,7 @@ class RequestBook:
     def _release(self, engine_id: str, pend: _Pending) -> None:
         """The request is no longer open: off the book and off its client's share of the limits."""
         del self.pending[engine_id]
+        self.image_bytes -= pend.image_bytes
         client = self.clients.get(pend.identity)
         if client is not None:
             client.requests.discard(pend.request_id)

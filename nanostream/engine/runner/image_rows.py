@@ -133,8 +133,7 @@ def chunk_images(chunk: Chunk) -> list[tuple[SeqImage, int, int]]:
 
 def chunk_image_rows(chunk: Chunk) -> list[int]:
     """The rows of a chunk (from 0) that are image tokens: what a worker writes the broadcast rows over."""
-    first = [image.offset - chunk.start for image, _, _ in chunk_images(chunk)]
-    return [r for f, (_, lo, hi) in zip(first, chunk_images(chunk)) for r in range(f + lo, f + hi)]
+    return [image.offset - chunk.start + r for image, lo, hi in chunk_images(chunk) for r in range(lo, hi)]
 
 
 def chunk_rope(chunk: Chunk) -> list[int]:
@@ -161,7 +160,7 @@ def step_positions(
     spread: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of the chunks whose axes differ
     for chunk, rope in zip(chunks, ropes, strict=True):
         start, n = chunk.start, chunk.num_new_tokens
-        if len(rope) == 3 * n and n > 0 and len(rope) != n:
+        if len(rope) == 3 * n:  # (chunk_rope's [3, n], its axes apart)
             spread.append((len(flat), torch.tensor(rope).view(3, n)))
             rope = rope[:n]
         flat += rope or range(start, start + n)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nanostream.errors import InvalidRequestError
 from nanostream.frontends.openai_server.protocol import APIError, BaseRequest, Int64, bad_request
+from nanostream.multimodal.chat import IMAGE_PART_TYPES  # the parts that carry an image
 from nanostream.sampling_params import MAX_LOGPROBS
 
 
@@ -50,10 +51,6 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-IMAGE_PARTS = ("image_url", "input_image", "image")
-"""Content parts that carry an image (multimodal/chat.py reads them): a vision-language model's."""
-
-
 def image_part(url: str) -> dict[str, Any]:
     """A chat message's image part (what the dialects translate theirs into): a data: URL, or an http(s) or file
     URL that the server's image policy then allows or refuses."""
@@ -84,7 +81,7 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
-            if part.type not in IMAGE_PARTS and (part.type != "text" or part.text is None):
+            if part.type not in IMAGE_PART_TYPES and (part.type != "text" or part.text is None):
                 raise bad_request(
                     f"messages[{index}].content has a {part.type!r} part; this server takes text and image parts "
                     "(image_url): send the rest as text",
@@ -96,7 +93,7 @@ class ChatMessage(BaseModel):
         """The message as the chat template gets it: its text, or, with images, its text and image parts in order
         (each image part the template's to place; generation.py takes the images)."""
         content: str | list = self.text(index)
-        if isinstance(self.content, list) and any(part.type in IMAGE_PARTS for part in self.content):
+        if isinstance(self.content, list) and any(part.type in IMAGE_PART_TYPES for part in self.content):
             content = [part.model_dump(exclude_none=True) for part in self.content]
         return {**self.model_dump(exclude_unset=True), "content": content}
 
