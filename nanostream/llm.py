@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -51,9 +53,18 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stop the engine's tensor-parallel worker processes now (they stop with the LLM's last reference,
-        or at exit, otherwise). Nothing to do at ``tensor_parallel_size=1``."""
+        """Stop the engine's tensor-parallel worker processes and give back this process's device memory (the
+        weights, the KV pool, the CUDA graphs), so that another LLM can be built here; the end of ``with LLM(...)
+        as llm:`` does it. The LLM cannot generate afterwards."""
         self.engine.close()
+        runner = getattr(self.engine, "runner", None)
+        if runner is None:
+            return
+        device = runner.device
+        del self.engine.runner, runner  # its graphs refer back to it: the collector frees the cycle
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self
@@ -150,6 +161,8 @@ class LLM:
         return self._generate(rendered, sampling_params, use_tqdm, reasoning_parser)
 
     def _run(self, requests: list, use_tqdm: bool, reasoning_parser: str | None) -> list[RequestOutput]:
+        if not hasattr(self.engine, "runner"):
+            raise RuntimeError("this LLM is closed: build a new one to generate")
         groups = [
             SampleGroup(
                 rid, self.tokenizer, [ids], p, reasoning_parser=reasoning_parser, incremental=False, collect=True

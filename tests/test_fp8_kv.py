@@ -117,6 +117,17 @@ def no_cuda() -> int:
     raise AssertionError("the budget is given: nothing to measure")
 
 
+def test_a_pool_never_holds_more_blocks_than_the_engine_can_fill():
+    # A tiny model on an 80 GB GPU would get ~70 million blocks of 1 KiB (a Python record each, minutes to make):
+    # the pool stops at a block table of max_model_len per sequence and KV group.
+    config = EngineConfig(model="m", max_num_seqs=12, kvcache_block_size=8).resolve(
+        max_position_embeddings=4096, cuda_available=True
+    )
+    gpu = lambda: 72 << 30  # noqa: E731
+    assert plan_num_kv_blocks(config, 1024, torch.device("cuda"), gpu) == 12 * 4096 // 8
+    assert plan_num_kv_blocks(config, 1 << 30, torch.device("cuda"), gpu) == 72  # the memory binds first
+
+
 def test_an_fp8_pool_holds_twice_the_blocks_of_a_bfloat16_one(qwen3_dir, caplog):
     spec = decoder_spec(AutoConfig.from_pretrained(qwen3_dir), max_model_len=2048)
     layout = CacheLayout([PagedKV(spec.num_kv_heads, spec.head_dim)] * spec.num_layers)

@@ -221,6 +221,20 @@ def test_an_llm_leaves_the_collector_as_it_found_it_and_is_freed_with_its_last_r
         gc.unfreeze()
 
 
+def test_closing_an_llm_gives_its_pool_and_weights_back_while_its_name_lives(qwen3_dir):
+    # A notebook or a test builds one LLM after another under the same name: the end of `with` frees the first's
+    # memory before the second sizes its pool from what is free (on a GPU, what it measures).
+    import weakref
+
+    with LLM(str(qwen3_dir), device="cpu", kvcache_block_size=16) as llm:
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+        model, pool = weakref.ref(llm.engine.runner.model), weakref.ref(llm.engine.runner.kv_caches[0].k)
+    assert model() is None and pool() is None
+    with pytest.raises(RuntimeError, match="this LLM is closed: build a new one"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    llm.close()  # twice is harmless
+
+
 def test_engine_stats_split_the_time_to_first_token_into_queue_and_prefill(qwen3_dir):
     # One request at a time: b waits in the queue for all of a, then gets its own prefill step.
     engine = LLM(str(qwen3_dir), device="cpu", max_num_seqs=1).engine

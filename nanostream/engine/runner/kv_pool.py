@@ -105,8 +105,7 @@ def plan_cache(
     cache. In order of precedence: ``num_kvcache_blocks`` (the states beside them); ``kv_cache_memory_bytes`` or,
     on CUDA, what ``gpu_memory_utilization`` leaves after the worst step (measured), shared: live states first,
     then snapshots (``max_state_snapshots``, else max_num_seqs within a quarter of what is left), blocks from the
-    rest; on CPU, KV blocks of at most 1 GiB and never more than the engine can fill (a block table of
-    ``max_model_len`` tokens per KV group of each of ``max_num_seqs`` sequences), the states beside them."""
+    rest; on CPU, KV blocks of at most 1 GiB, the states beside them. Never more blocks than the engine can fill."""
     cfg = config
     live = cfg.max_num_seqs * slot_bytes
     snapshots = cfg.max_state_snapshots if cfg.max_state_snapshots is not None else cfg.max_num_seqs
@@ -114,17 +113,18 @@ def plan_cache(
         snapshots = 0
     if cfg.num_kvcache_blocks is not None:
         return CachePlan(cfg.num_kvcache_blocks, snapshots)
+    # Never more blocks than the engine can fill at once (a block table of max_model_len tokens per KV group of
+    # each of max_num_seqs sequences): a small model on a large GPU would otherwise get tens of millions.
+    most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size) * num_groups
     if cfg.kv_cache_memory_bytes is not None or device.type == "cuda":
         budget = cfg.kv_cache_memory_bytes if cfg.kv_cache_memory_bytes is not None else cuda_budget()
         left = budget - live
         if slot_bytes and cfg.max_state_snapshots is None:
             snapshots = min(snapshots, max(0, int(left * SNAPSHOT_SHARE) // slot_bytes))
         budget = left - snapshots * slot_bytes
-    else:
-        # CPU memory is shared with everything else: never more than the engine can ever fill.
-        most = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.kvcache_block_size) * num_groups
+    else:  # CPU memory is shared with everything else
         budget = min(CPU_DEFAULT_KV_BYTES, most * block_bytes)
-    num_blocks = budget // block_bytes
+    num_blocks = min(budget // block_bytes, most)
     if num_blocks < 1:
         states = f" after {cfg.max_num_seqs} sequences' states of {slot_bytes} bytes" if slot_bytes else ""
         raise ModelLoadError(
