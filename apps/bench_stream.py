@@ -436,8 +436,15 @@ def progress(r: Round) -> str:
         f"TTFT p50 {1e3 * percentiles(r.ttft())[0]:.1f} ms (engine mean: {eng.first_token_split()}), "
         f"delivery p50 {delivery(r)} ms{fan_out(r)}{r.ttft_parts()}; {r.prompt_pace()}{r.send_spread()}, "
         f"{eng.steps} steps, period {1e3 * eng.period():.2f} ms, host {eng.host_ms():.2f} + device wait "
-        f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores"
+        f"{eng.wait_ms():.2f} ms/step, engine {eng.cores:.2f} cores{served_prompts(r)}"
     )
+
+
+def served_prompts(r: Round) -> str:
+    """HTTP: the prompt tokens the server counted against the workload's (the dialects send the prompt as text
+    under the chat template: a tokenizer that cannot spell the ids' text would make the round a lighter one)."""
+    served, workload = sum(t.served_prompt for t in r.traces), sum(t.prompt_tokens for t in r.traces)
+    return f", prompts served as {served:,} tokens (workload {workload:,})" if served else ""
 
 
 def delivery(r: Round) -> str:

@@ -28,7 +28,8 @@
 #   bash apps/gpu_suite.sh service # issue 30: HTTP through `nanostream serve MODEL --openai-port P` at its defaults,
 #                                  #   3 rounds of 4x64 and 1,024 connections at once, then frontend --workers 8, ~7 min
 #   bash apps/gpu_suite.sh dialects # issue 59: bench_stream.py through the Responses and the Messages APIs (8
-#                                  #   frontend workers, 3 rounds of 4x64 each against offline), ~4 min
+#                                  #   frontend workers, 3 rounds of 4x64 each against offline) on the 0.6B shape
+#                                  #   with a 151,643-token tokenizer (.gpu/tok if carried, else made), ~5 min
 #   bash apps/gpu_suite.sh families # issue 32: gpt-oss-20b and Gemma-3-4B (dummy) on the bench workload and at
 #                                  #   batch 1, the window kernel section, the gpu-marked window/sink tests, ~5 min
 #   bash apps/gpu_suite.sh fp8kv   # issue 33's KV half: the FP8 KV gpu tests, the 0.6B bench with bf16 and FP8 KV
@@ -87,6 +88,17 @@ gpu_tests() {
 # Issue 18's cost: the preset's shape with a real-size byte-level BPE vocabulary (TOKENIZER: a dir made by
 # apps/make_bench_tokenizer.py), so that masks cost what a real model's do; SPECS: the runs. --py-spy: the
 # first run under py-spy (the busy loop's own time: masks, sampling, launches).
+# tok_model: /tmp/qwen3-0.6b-tok, the preset's random model with that tokenizer (made here, ~40 s, where none
+# is carried): every id of the bench workload decodes to text that encodes back to about as many tokens.
+tok_model() {
+    local tok=${TOKENIZER:-.gpu/tok}
+    [ -f "$tok/tokenizer.json" ] || { tok=/tmp/bench-tok; [ -f "$tok/tokenizer.json" ] \
+        || python3 apps/make_bench_tokenizer.py "$tok" 2>&1 | tail -n 1; }
+    PYTHONPATH="apps:$PYTHONPATH" python3 -c "from presets import random_model
+with random_model('qwen3-0.6b', {}, '/tmp/qwen3-0.6b-random'): pass"
+    rm -rf /tmp/qwen3-0.6b-tok && cp -r /tmp/qwen3-0.6b-random /tmp/qwen3-0.6b-tok && cp "$tok"/* /tmp/qwen3-0.6b-tok/
+}
+
 structured_bench() {
     local spec model=/tmp/qwen3-0.6b-tok spy_cmd=()
     if [ "${1:-}" = --py-spy ]; then
@@ -94,9 +106,7 @@ structured_bench() {
         spy_cmd=("$site/bin/py-spy" record --rate 200 --threads --idle --nonblocking --format raw
             --output "$out/structured.pyspy" --)
     fi
-    PYTHONPATH="apps:$PYTHONPATH" python3 -c "from presets import random_model
-with random_model('qwen3-0.6b', {}, '/tmp/qwen3-0.6b-random'): pass"
-    rm -rf "$model" && cp -r /tmp/qwen3-0.6b-random "$model" && cp "${TOKENIZER:-.gpu/tok}"/* "$model"/
+    tok_model
     IFS=';' read -ra specs <<<"${SPECS:---kind json --constrained 0.5;--kind regex --constrained 1.0}"
     for spec in "${specs[@]}"; do
         # shellcheck disable=SC2086
@@ -313,8 +323,9 @@ dialects)
     # 4x64 SSE streams), each round ÷ the median of three offline runs in the same call (~4 min).
     python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
         || tail -n 5 "$out/install.log"
+    tok_model  # the dialects send text: the random model's own 512-token tokenizer spells few of the ids
     for api in responses messages; do
-        timeout "${DIALECT_S:-200}" python3 apps/bench_stream.py --preset qwen3-0.6b --build-dir /tmp/qwen3-0.6b-random \
+        timeout "${DIALECT_S:-200}" python3 apps/bench_stream.py --model /tmp/qwen3-0.6b-tok \
             --shapes 4x64 --runs 3 --http-workers 8 --http-only --http-api "$api" "$@" >"$out/dialect-$api.log" 2>&1
         echo "== $api"; grep -v -E "INFO|Loading weights" "$out/dialect-$api.log" | tail -n 8
         pkill -9 -f '[n]anostream (serve|frontend)'

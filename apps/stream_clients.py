@@ -46,6 +46,7 @@ class Trace:
     wire: list[float] = field(default_factory=list)  # s, the client's reader took it − the end of the step
     received: list[float | None] = field(default_factory=list)  # per chunk: when the reader took its message
     events: int = 0  # SSE events with a choice (HTTP only)
+    served_prompt: int = 0  # HTTP: the prompt's tokens as the server counted them (the dialects' chat template on)
     error: str | None = None
 
     @property
@@ -80,7 +81,8 @@ async def stream_client(client: AsyncClient, r: Request) -> Trace:
 
 
 APIS = {"completions": "/v1/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
-_DELTAS = {"response.output_text.delta", "content_block_delta"}  # the dialects' events that carry tokens
+# the dialects' events that carry tokens (a reasoning model's thinking among them)
+_DELTAS = {"response.output_text.delta", "response.reasoning_text.delta", "content_block_delta"}
 
 
 @functools.cache
@@ -115,10 +117,14 @@ def _take_event(trace: Trace, data: str) -> int | None:
         trace.arrivals.append(time.perf_counter())
         trace.counts.append(0)
     elif kind in ("response.completed", "response.incomplete"):
+        trace.served_prompt = event["response"]["usage"]["input_tokens"]
         return event["response"]["usage"]["output_tokens"]
+    elif kind == "message_start":
+        trace.served_prompt = event["message"]["usage"]["input_tokens"]
     elif kind == "message_delta":
         return event["usage"]["output_tokens"]
     elif event.get("usage") and not kind:
+        trace.served_prompt = event["usage"]["prompt_tokens"]
         return event["usage"]["completion_tokens"]
     return None
 
