@@ -55,6 +55,18 @@ class PromptImages:
     images: tuple[SeqImage, ...]
     positions: torch.Tensor | None
     delta: int
+    whole: bool = False
+    """Each image's tokens attend to each other both ways (Gemma 3's): a step computes an image's tokens together
+    (``chunk_end``), each seeing up to the image's last token (``AttentionMetadata.q_last``)."""
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk of tokens [start, end) ends instead: before an image it would cut, where images are
+        ``whole`` (``start`` itself, nothing this step, when the image began before it); else ``end``."""
+        if self.whole:
+            for image in self.images:
+                if image.offset < end < image.end:
+                    return max(start, image.offset)
+        return end
 
     def block_words(self, start: int, end: int) -> list[int]:
         """What a prefix-cache block of tokens [start, end) hashes beside its token ids: for each image it overlaps,
@@ -91,10 +103,21 @@ def check_images(
             f"a request may hold at most {config.limit_images_per_prompt} images (the engine's "
             f"limit_images_per_prompt); this one has {len(images)}: send fewer"
         )
+    if tower.bidirectional and config.batch_invariant:
+        raise InvalidRequestError(
+            "the batch-invariant mode attends causally only, and this model's image tokens attend to each other "
+            "both ways: send text only, or start the engine without batch_invariant"
+        )
     kept: list[SeqImage] = []
     end = 0
     for k, image in enumerate(images):
         seq_image = _check_image(k, image, tower)
+        if tower.bidirectional and seq_image.num_tokens > config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"image {k} takes {seq_image.num_tokens} tokens, which this model computes in one step, and the "
+                f"engine's steps take at most {config.max_num_batched_tokens} (max_num_batched_tokens): start it "
+                f"with max_num_batched_tokens >= {seq_image.num_tokens}"
+            )
         if seq_image.offset < end or seq_image.end > len(prompt):
             raise InvalidRequestError(
                 f"image {k}'s {seq_image.num_tokens} placeholder tokens from index {seq_image.offset} overlap the "
@@ -113,9 +136,9 @@ def check_images(
             "send one image per placeholder run"
         )
     if not mrope:
-        return PromptImages(tuple(kept), None, 0)
+        return PromptImages(tuple(kept), None, 0, tower.bidirectional)
     positions, delta = mrope_positions(prompt, [i.grid for i in kept], tower.image_token_id, tower.merge)
-    return PromptImages(tuple(kept), positions, delta)
+    return PromptImages(tuple(kept), positions, delta, tower.bidirectional)
 
 
 def _check_image(k: int, image: ImageInput, tower: VisionTower) -> SeqImage:

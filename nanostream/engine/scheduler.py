@@ -107,7 +107,9 @@ class Scheduler:
         queue = deque(decodes + prefills)
         while queue and budget:
             seq = queue.popleft()
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = seq.next_chunk(seq.num_computed_tokens, budget)
+            if not n:  # the rest of an image whose tokens go together: a later step
+                continue
             while not self.block_manager.allocate(seq, n):
                 if queue:
                     self._preempt(max(queue, key=self.running.index))
@@ -122,8 +124,8 @@ class Scheduler:
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = [] if seq.wants_prompt_logprobs else self.block_manager.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate(seq, n, hits):
+            n = seq.next_chunk(len(hits) * self.block_manager.block_size, budget)
+            if not n or not self.block_manager.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
             self.num_waiting_tokens -= seq.queued_tokens

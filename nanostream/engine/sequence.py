@@ -113,6 +113,12 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def next_chunk(self, start: int, budget: int) -> int:
+        """How many of its tokens from ``start`` a step computes within ``budget``: all it can, never ending inside
+        an image whose tokens attend to each other both ways (``PromptImages.chunk_end``; then maybe 0)."""
+        end = min(len(self.token_ids), start + budget)
+        return end - start if self.images is None else self.images.chunk_end(start, end) - start
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens

@@ -63,7 +63,7 @@ def softmax_start(sinks_ptr, heads, use, HAS_SINKS: tl.constexpr):
 def fold_kv_tile(
     q, m, denom, acc,
     k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask, stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
-    n0, kv_end, q_pos, q_lo,
+    n0, kv_end, q_hi, q_lo,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr,
     IN_PAGE: tl.constexpr,
 ):  # fmt: skip
@@ -78,11 +78,11 @@ def fold_kv_tile(
     whose bytes are all finite (its stores write NaN as 0), so that p = 0 zeroes them (a masked load would
     not vectorize along rows). Otherwise any block size: a page number a row.
     (m, denom, acc): running max (base 2), running sum and unnormalised output, updated and returned.
-    With MASK, positions at or past ``kv_end``, after a query's own position ``q_pos`` [M] or before its first visible
-    one ``q_lo`` [M] (its window's or its chunk's start) are left out; without it the caller guarantees the whole
-    tile is visible to every query. A row that has seen no visible key yet keeps max -inf and sum 0. FP8_KV: the
-    pool is float8 e4m3, its tiles widened to q's dtype (float16 or float32: ``queries_for``; its scales are the
-    caller's: ``qk_scale`` holds k_scale).
+    With MASK, positions at or past ``kv_end``, after a query's last visible one ``q_hi`` [M] (its own position, or
+    its image's end) or before its first visible one ``q_lo`` [M] (its window's or its chunk's start) are left out;
+    without it the caller guarantees the whole tile is visible to every query. A row that has seen no visible key
+    yet keeps max -inf and sum 0. FP8_KV: the pool is float8 e4m3, its tiles widened to q's dtype (float16 or
+    float32: ``queries_for``; its scales are the caller's: ``qk_scale`` holds k_scale).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = pos < kv_end
@@ -114,7 +114,7 @@ def fold_kv_tile(
         s = tl.dot(q, tl.trans(k))
     s = s * qk_scale  # [M, BLOCK_N]
     if MASK:
-        causal = pos[None, :] <= q_pos[:, None]
+        causal = pos[None, :] <= q_hi[:, None]
         in_window = pos[None, :] >= q_lo[:, None]
         s = tl.where(n_mask[None, :] & causal & in_window, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))

@@ -10,7 +10,8 @@ With a sliding window (a runtime argument: no variant per window) a query at p s
 from its first query's window start, masks the tiles before its last query's window start as well as the diagonal
 ones, and needs no mask in between. Chunked local attention (``chunk``, a runtime argument too) is a window that
 starts at the query's chunk, [p - p % chunk, p]: the same tiles. Attention sinks start each row's softmax from its
-head's sink logit. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is read as
+head's sink logit. Queries may see past their own position (``q_last``: Gemma 3's image tokens see their whole
+image), as far as the tile's furthest one. An FP8 pool (float8 e4m3, with the layer's k_scale and v_scale) is read as
 nanostream/kernels/attention_tile.py says.
 """
 
@@ -36,13 +37,13 @@ from nanostream.kernels.fp8_kv import check_kv_scales
 @triton.jit(do_not_specialize=["stride_tb", "window", "chunk"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, cu_q_ptr, seq_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr,
+    q_last_ptr, out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tb, stride_ot, stride_oh, window, chunk,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr, FP8_KV: tl.constexpr,
-    ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr,
+    ALL_MASKED: tl.constexpr, IN_PAGE: tl.constexpr, HAS_LAST: tl.constexpr,
 ):  # fmt: skip
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -60,6 +61,10 @@ def _prefill_kernel(
     m_mask = rows < q_len
     q_pos = prefix + rows  # each query's position in the context
     q_lo = tl.maximum(q_pos + 1 - window, q_pos - q_pos % chunk)  # its first visible key: window's, chunk's start
+    if HAS_LAST:  # noqa: SIM108 (a constexpr branch) the last key each query sees, past its own in an image
+        q_hi = tl.load(q_last_ptr + q_start + rows, mask=m_mask, other=0)
+    else:
+        q_hi = q_pos
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
     q = tl.load(
@@ -83,6 +88,8 @@ def _prefill_kernel(
     first_lo = tl.maximum(tl.maximum(first_q + 1 - window, first_q - first_q % chunk), 0)
     last_lo = tl.maximum(tl.maximum(kv_end - window, (kv_end - 1) - (kv_end - 1) % chunk), 0)
     kv_start = first_lo // BLOCK_N * BLOCK_N
+    if HAS_LAST:  # queries that see past their own position: to the furthest one's last key (inside the context)
+        kv_end = tl.minimum(tl.maximum(kv_end, tl.max(q_hi, 0) + 1), seq_len)
     full_start = tl.minimum(tl.cdiv(last_lo, BLOCK_N) * BLOCK_N, full_end)
     if ALL_MASKED:  # the batch-invariant mode: every tile through one code path (see paged_prefill_attention)
         full_start = kv_end
@@ -90,19 +97,19 @@ def _prefill_kernel(
     for n0 in range(kv_start, full_start, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_hi, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_start, full_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_hi, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=False, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
     for n0 in range(full_end, kv_end, BLOCK_N):
         m, denom, acc = fold_kv_tile(
             q, m, denom, acc, k_cache_ptr, v_cache_ptr, table_row, k_offs, v_offs, d_mask,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_pos, q_lo,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, n0, kv_end, q_hi, q_lo,
             PAGE=PAGE, BLOCK_N=BLOCK_N, MASK=True, IEEE=IEEE, FP8_KV=FP8_KV, IN_PAGE=IN_PAGE,
         )  # fmt: skip
 
@@ -140,6 +147,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    q_last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their paged contexts.
 
@@ -150,7 +158,8 @@ def paged_prefill_attention(
     ``config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile choice (benchmarks).
     ``window``: a query at position p sees only keys in (p - window, p] (None: all up to p). ``chunk``: only
     those of its chunk, [p - p % chunk, p] (chunked local attention; None: all). ``sinks``:
-    [Hq], one softmax-denominator logit per query head (None: none). ``k_scale``, ``v_scale``: [1] float32,
+    [Hq], one softmax-denominator logit per query head (None: none). ``q_last``: [T] int32, the position of the
+    last key each query sees (>= its own, inside its context; None: its own). ``k_scale``, ``v_scale``: [1] float32,
     with float8_e4m3fn caches and only then (K read as stored * k_scale). ``batch_invariant``: a query's result
     depends on its position and context alone, not on where its chunk starts nor on the longest chunk, and is
     the decode kernel's (``paged_decode_attention(batch_invariant=True)``) bit for bit: the tile of
@@ -176,6 +185,8 @@ def paged_prefill_attention(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, (out.shape, out.stride())
     window, chunk = window_arg(window), window_arg(chunk)
+    if q_last is not None:
+        assert q_last.dtype == torch.int32 and q_last.shape == (num_tokens,) and q_last.is_contiguous(), q_last.shape
     if sinks is not None:
         assert sinks.shape == (num_heads,) and sinks.is_contiguous() and sinks.is_floating_point(), sinks.shape
     if num_tokens == 0:
@@ -191,11 +202,11 @@ def paged_prefill_attention(
     _prefill_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, q if sinks is None else sinks,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unread without FP8
-        out,
+        seq_lens if q_last is None else q_last, out,
         scale * LOG2E,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1), window, chunk,
         G=num_heads // num_kv_heads, D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PAGE=page, IEEE=fp32, HAS_SINKS=sinks is not None, FP8_KV=fp8, ALL_MASKED=batch_invariant,
-        IN_PAGE=in_page(page, block_n), num_warps=num_warps, num_stages=num_stages,
+        IN_PAGE=in_page(page, block_n), HAS_LAST=q_last is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

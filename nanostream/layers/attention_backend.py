@@ -1,15 +1,13 @@
 """Attention backends: store a step's new K/V and attend over the paged pool, and the types they share
 (a step's ``AttentionMetadata``, a layer's ``KVCache``); layers/backends.py picks one (``get_backend``).
 
-Backends: ``torch`` (reference, any device, here), ``triton`` (nanostream's kernels,
-layers/triton_attention.py) and ``flash_attn`` (FlashAttention-4 or -2, layers/flash_attention.py).
-The ``Attention`` layer (layers/attention.py) is built with one and calls it.
+Backends: ``torch`` (reference, any device, here), ``triton`` (nanostream's kernels, layers/triton_attention.py)
+and ``flash_attn`` (FlashAttention-4 or -2, layers/flash_attention.py). The ``Attention`` layer
+(layers/attention.py) is built with one and calls it.
 
-The pool is in the model's dtype, or in float8 e4m3 (``kv_cache_dtype="fp8"``): then each layer passes
-its ``k_scale`` and ``v_scale`` ([1] float32 tensors), and a backend stores ``quantize_kv(k, k_scale)``
-and reads ``dequantize_kv(stored, k_scale)`` (likewise V), as the torch backend here does (the format:
-kernels/fp8_kv.py).
-"""
+The pool is in the model's dtype, or in float8 e4m3 (``kv_cache_dtype="fp8"``): then each layer passes its
+``k_scale`` and ``v_scale`` ([1] float32 tensors), and a backend stores ``quantize_kv(k, k_scale)`` and reads
+``dequantize_kv(stored, k_scale)`` (likewise V), as the torch backend here does (the format: kernels/fp8_kv.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +37,9 @@ class AttentionMetadata:
     max_seqlen_k: int
     cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
     seq_lens_host: list[int]
+    q_last: torch.Tensor | None = None
+    """[T] int32: each query's last visible key, where some see past their own (Gemma 3's image tokens see their
+    whole image: images_attend_within, engine/images.py); None: causal."""
     kv_groups: tuple[AttentionMetadata, ...] = ()
     """A model whose layers give KV blocks back by different rules has a block table per KV group
     (engine/block_manager.py): groups 1, 2, ...'s metadata, each with its own ``slot_mapping`` and ``block_tables``
@@ -85,6 +86,7 @@ class AttentionMetadata:
             max_seqlen_k=max(self.seq_lens_host[n:]),
             cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
             seq_lens_host=self.seq_lens_host[n:],
+            q_last=None if self.q_last is None else self.q_last[n:],  # decode rows see up to their own position
         )
         return decode, rest
 
@@ -150,9 +152,12 @@ def check_window(window: int | None, chunk: int | None = None) -> None:
             raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}")
 
 
-def visible(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
-    """The keys at ``k_pos`` that the queries at ``q_pos`` see (broadcast): causal, in the window, in the chunk."""
-    mask = k_pos <= q_pos
+def visible(
+    k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, chunk: int | None, last: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The keys at ``k_pos`` that the queries at ``q_pos`` see (broadcast): causal (up to ``last`` where given:
+    ``AttentionMetadata.q_last``), in the window, in the chunk."""
+    mask = k_pos <= (q_pos if last is None else last)
     if window is not None:
         mask &= k_pos > q_pos - window
     if chunk is not None:
@@ -197,6 +202,7 @@ class TorchAttention(AttentionBackend):
         check_window(window, chunk)
         bs = cache.block_size
         if self.batch_invariant:
+            assert meta.q_last is None, "the batch-invariant mode attends causally only"
             return self._aligned(q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale)
         if meta.is_decode:
             return self._decode(q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale)
@@ -208,11 +214,11 @@ class TorchAttention(AttentionBackend):
             qi = q[start:end].transpose(0, 1)[None]
             ki = self._gather(cache.k, slots, bs, k_scale, q.dtype).transpose(0, 1)[None]
             vi = self._gather(cache.v, slots, bs, v_scale, q.dtype).transpose(0, 1)[None]
-            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own
-            # (and, with a window, > its own - window; with chunks, in its own chunk).
+            # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own (or q_last's).
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
             k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = visible(k_pos, q_pos, window, chunk)
+            last = None if meta.q_last is None else meta.q_last[start:end, None]
+            mask = visible(k_pos, q_pos, window, chunk, last)
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out
 
@@ -282,8 +288,7 @@ class TorchAttention(AttentionBackend):
         return out.view(n, hq, lq, d).to(q.dtype)
 
     def _decode(self, q, cache, meta, scale, window, chunk, sinks, k_scale, v_scale):
-        # All sequences at once: gather each block table's blocks, mask positions past seq_len (and,
-        # with a window, those at or before seq_len - 1 - window; with chunks, those before the last chunk's).
+        # All sequences at once: each block table's blocks gathered, the positions the query cannot see masked.
         bs = cache.block_size
         num_blocks = -(-meta.max_seqlen_k // bs)
         tables = meta.block_tables[:, :num_blocks].long()  # [B, nb]

@@ -4,7 +4,9 @@ M-RoPE positions of its rows.
 The images a step's chunks reach that the cache lacks are encoded together (in batches of at most ``max_patches``
 patches), on the runner's device; each image's rows are kept by its key (a hash of its grid and pixels, so an
 image sent again, in a later turn or by another client, is encoded once) until ``budget_rows`` rows are held,
-least recently used out. A chunk may cut an image anywhere: it takes the rows of the tokens it computes.
+least recently used out. A chunk may cut an image anywhere (it takes the rows of the tokens it computes), except
+where the model's image tokens attend to each other both ways (Gemma 3's): the scheduler then keeps each image's
+tokens in one step, and ``with_query_limits`` lets each see to its image's end.
 
 Positions: a text token's three M-RoPE axes are equal, so a step whose rows all have equal axes (decode rows, text)
 keeps one position a row (the decode CUDA graphs' shape) at its index + the sequence's delta; a step with image
@@ -13,6 +15,7 @@ rows gets [3, T].
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from itertools import accumulate
@@ -32,8 +35,8 @@ from nanostream.models.vision.tower import VisionTower
 class ImageRows:
     """The encoder of one runner and its cache of image rows (see the module docstring)."""
 
-    def __init__(self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int) -> None:
-        self.encoder = encoder
+    def __init__(self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int, whole: bool = False) -> None:
+        self.encoder, self.whole = encoder, whole  # whole: the images' tokens attend to each other both ways
         self.budget_rows, self.max_patches = budget_rows, max_patches
         # image key -> its rows [tokens, hidden] and DeepStack features (one such a level; Qwen3-VL's)
         self.cache: OrderedDict[bytes, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
@@ -44,7 +47,8 @@ class ImageRows:
     def of(cls, tower: VisionTower, path: Path, config: EngineConfig, dtype: torch.dtype, device: torch.device):
         """The tower's encoder on ``device``; its cache holds a step's worth of rows (max_num_batched_tokens)."""
         encoder = tower.build(path, dtype=dtype, device=device, load_format=config.load_format)
-        return cls(encoder, budget_rows=config.max_num_batched_tokens, max_patches=4 * config.max_num_batched_tokens)
+        budget = config.max_num_batched_tokens
+        return cls(encoder, budget_rows=budget, max_patches=4 * budget, whole=tower.bidirectional)
 
     @torch.inference_mode()
     def encode_largest(self, device: torch.device) -> None:
@@ -68,6 +72,8 @@ class ImageRows:
         if embeds is not None and tp.size > 1:  # the workers, which hold no encoder, take them from here
             for rows in (embeds.rows, *embeds.deepstack):
                 tp.broadcast(rows.contiguous())
+        if self.whole:
+            inputs = with_query_limits(chunks, [chunk_image_rows(c) for c in chunks], inputs, uploads)
         return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)
 
     def _embeds(self, chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> PlaceholderEmbeds | None:
@@ -174,11 +180,16 @@ def step_positions(
 
 
 def received_inputs(
-    chunks: list, inputs: StepInputs, tp: TensorParallel, width: tuple[int, int, torch.dtype], uploads: Uploads | None
+    chunks: list,
+    inputs: StepInputs,
+    tp: TensorParallel,
+    width: tuple[int, torch.dtype, int, bool],
+    uploads: Uploads | None,
 ) -> StepInputs:
     """A worker's ``step_inputs``: rank 0's positions and image rows from the step's message (each chunk's ``rope``
-    and ``image_rows``) and its broadcast. ``width``: (hidden size, DeepStack levels that follow the rows, dtype)."""
-    hidden, levels, dtype = width
+    and ``image_rows``) and its broadcast. ``width``: (hidden size, dtype, DeepStack levels that follow the rows,
+    whether the images' tokens attend to each other both ways)."""
+    hidden, dtype, levels, whole = width
     device = inputs.input_ids.device
     positions = step_positions(chunks, [c.rope for c in chunks], device, uploads)
     starts = accumulate([0] + [c.num_new_tokens for c in chunks])
@@ -188,4 +199,25 @@ def received_inputs(
         shape = (len(index), hidden)
         rows = [tp.broadcast(torch.empty(shape, dtype=dtype, device=device)) for _ in range(1 + levels)]
         embeds = PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows[0], tuple(rows[1:]))
+    if whole:
+        inputs = with_query_limits(chunks, [c.image_rows for c in chunks], inputs, uploads)
     return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)
+
+
+def with_query_limits(chunks: list, image_rows: list[list[int]], inputs: StepInputs, uploads: Uploads | None):
+    """``inputs`` whose attention lets each image token see its whole image (``AttentionMetadata.q_last``), from
+    each chunk's image rows: a run of consecutive ones is an image (or its rest, after a prefix hit), which the
+    chunk holds to its end (``PromptImages.chunk_end``); every other row sees up to itself. Unchanged without images."""
+    if not any(image_rows):
+        return inputs
+    last: list[int] = []
+    for chunk, rows in zip(chunks, image_rows, strict=True):
+        ends = list(range(chunk.start, chunk.start + chunk.num_new_tokens))
+        for i in reversed(range(len(rows) - 1)):  # from the end: each run's rows take its last row's position
+            if rows[i + 1] == rows[i] + 1:
+                ends[rows[i]] = ends[rows[i + 1]]
+        last += ends
+    q_last = to_device(last, torch.int32, inputs.input_ids.device, uploads)
+    meta = inputs.meta
+    groups = tuple(dataclasses.replace(g, q_last=q_last) for g in meta.kv_groups)
+    return inputs._replace(meta=dataclasses.replace(meta, q_last=q_last, kv_groups=groups))

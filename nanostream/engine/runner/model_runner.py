@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     """``tp``: this process's rank (default: the only one); ``control``: on rank 0 of several, the workers;
-    ``vision``: a vision-language model's tower (image_rows.py); ``image_levels``: a worker's of one (its DeepStack)."""
+    ``vision``: a vision-language model's tower (image_rows.py); ``image_levels``: a worker's of one (image_rows.py)."""
 
     def __init__(
         self,
@@ -60,7 +60,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         control: StepControl | None = None,
         vision: VisionTower | None = None,
-        image_levels: int | None = None,
+        image_levels: tuple[int, bool] | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -92,7 +92,7 @@ class ModelRunner:
             load_format=config.load_format, keep_fp8=False if config.batch_invariant else None,
         )  # fmt: skip
         self.images = None if vision is None else ImageRows.of(vision, model_path, config, self.dtype, self.device)
-        self.image_width = None if image_levels is None else (spec.hidden_size, image_levels, self.dtype)
+        self.image_width = None if image_levels is None else (spec.hidden_size, self.dtype, *image_levels)
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         self.layout = CacheLayout(self.model.cache_specs())  # which layers page KV, which keep a state
         self.graphs: DecodeGraphs | None = None  # captured once the KV pool exists

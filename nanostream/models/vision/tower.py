@@ -45,6 +45,7 @@ class VisionTower:
 
     spec: QwenVisionSpec | QwenWindowedSpec
     image_token_id: int
+    bidirectional: bool = False  # an image's tokens attend to each other both ways in the language model
 
     @property
     def merge(self) -> int:
