@@ -7,8 +7,9 @@
     images = [preparer.prepare(load_image(s, policy)) for s in sources]
     prompt = preparer.expand_placeholders(template_ids, images)        # one image token -> num_tokens
 
-The Qwen family only for now (Qwen2.5-VL, Qwen3-VL, Qwen3.5/3.6: the ``Qwen2VLImageProcessor`` family, whose
-``pixel_values`` rows are the patches of all images one after another and ``image_grid_thw`` their grids).
+The Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5/3.6: the ``Qwen2VLImageProcessor`` family, whose ``pixel_values``
+rows are the patches of all images one after another and ``image_grid_thw`` their grids), and Gemma 3
+(``GemmaImagePreparer``, multimodal/gemma_images.py: one image size, its placeholder widened as Gemma3Processor does).
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ class ImagePreparer:
         architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # torchvision is optional
         kind = type(processor).__name__
+        if kind.startswith("Gemma3ImageProcessor"):
+            return _gemma_preparer(path, config, processor)
         image_token_id = getattr(config, "image_token_id", None)
         if not kind.startswith("Qwen2VLImageProcessor") or image_token_id is None:
             raise ModelLoadError(
                 f"images are not supported for {architecture} yet (its image processor is {kind}); nanostream "
-                "takes images for the Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5); send this model text only"
+                "takes images for the Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5) and Gemma 3; send this model text "
+                "only"
             )
         merge_size = getattr(vision, "spatial_merge_size", None)
         if merge_size != processor.merge_size:
@@ -124,6 +128,33 @@ class ImagePreparer:
             out += [token] * image.num_tokens
             end = start + length
         return out + token_ids[end:], offsets
+
+
+def _gemma_preparer(path: Path, config: Any, processor: Any) -> ImagePreparer:
+    """Gemma 3's preparer: its tokenizer (to tokenise the new lines around each image with the text beside them),
+    its image tokens and its tower's patch size."""
+    from transformers import AutoTokenizer
+
+    from nanostream.multimodal.gemma_images import GemmaImagePreparer
+
+    def token(name: str) -> int:  # Gemma 3 configs name them image_token_index or image_token_id (an alias)
+        value = getattr(config, f"{name}_token_index", None)
+        return int(getattr(config, f"{name}_token_id", None) if value is None else value)
+
+    size = processor.size
+    vision = config.vision_config
+    if (size["height"], size["width"]) != (vision.image_size, vision.image_size):
+        raise ModelLoadError(
+            f"{path}: {PROCESSOR_FILE} resizes images to {size['height']}x{size['width']} pixels, the vision config "
+            f"takes {vision.image_size}x{vision.image_size}; is the checkpoint's {PROCESSOR_FILE} its own?"
+        )
+    return GemmaImagePreparer(
+        processor,
+        AutoTokenizer.from_pretrained(path),
+        token_ids=(token("boi"), token("image"), token("eoi")),
+        num_tokens=int(config.mm_tokens_per_image),
+        patch_size=int(vision.patch_size),
+    )
 
 
 def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:

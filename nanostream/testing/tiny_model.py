@@ -183,7 +183,7 @@ def tiny_config(architecture: str = "Qwen3ForCausalLM", **config_overrides):
     if architecture in _MULTIMODAL:  # the language model's config as text_config, a one-block vision tower
         tower = dict(_MULTIMODAL[architecture][2]) | config_overrides.pop("vision_config", {})  # a shape's own
         text = tiny_config(_MULTIMODAL[architecture][0], **config_overrides)
-        if architecture in vision.VISION_TOKENS:  # Qwen's: its merger's output is the text model's width
+        if architecture in vision.OUT_WIDTH:  # Qwen's: its merger's output is the text model's width
             tower["out_hidden_size"] = text.hidden_size
         tokens, text.vocab_size = vision.vision_token_ids(architecture) or ({}, text.vocab_size)  # its placeholders
         config = config_cls(
@@ -254,7 +254,7 @@ def make_tiny_model(
         raise ValueError(f"expert_layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
     _, model_cls = _classes(architecture)
     path = Path(path)
-    tokenizer = vision.with_vision_tokens(build_tokenizer(), architecture)
+    tokenizer = vision.tokenizer_of(architecture)
     config = tiny_config(architecture, **config_overrides)
     if not weights:
         config.dtype = weights_dtype
@@ -273,7 +273,7 @@ def make_tiny_model(
         centred = architecture in _CENTRED_NORMS or architecture in _MULTIMODAL.keys() - vision.PLAIN_NORMS  # 1 + w
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
-                one = 0.0 if centred and "linear_attn" not in name else 1.0  # the DeltaNet's gated norm: plain w
+                one = 0.0 if centred and not any(k in name for k in ("linear_attn", "vision_tower")) else 1.0
                 param.copy_(one + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's router's scales: ~1 where they act
                 scale = param.shape[0] ** 0.5 if name.endswith("router.scale") else 1.0  # the input's: x H^-0.5 there

@@ -1,5 +1,9 @@
 """The vision side of the tiny vision-language models (testing/tiny_model.py): their vision tower's config, their
-image placeholder tokens, and transformers' own image processor at the tiny tower's patch size."""
+image placeholder tokens, and transformers' own image processor at the tiny tower's patch size.
+
+Gemma 3's (``gemma3_vl``): a SigLIP tower of 4 x 4 patches (56 px, 14 px patches) pooled to 4 tokens, a tokenizer
+with Gemma 3's image tokens whose chat template writes ``<start_of_image>`` for an image part, and whose BPE merges
+blank lines (so that the new lines Gemma3Processor writes around an image merge with the text beside them)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ VL_MULTIMODAL = {
     "Qwen3VLMoeForConditionalGeneration": (
         "Qwen3VLMoeForCausalLM", "Qwen3VLMoeConfig", dict(TINY_QWEN_VISION, depth=2, deepstack_visual_indexes=[0, 1]),
     ),
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3ForCausalLM", "Gemma3Config",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+             patch_size=14, vision_use_head=False),
+    ),
     "Qwen2_5_VLForConditionalGeneration": (  # windows of 16 pixels (2 x 2 merged patches); block 1 attends whole
         "Qwen2_5_VLForCausalLM", "Qwen2_5_VLConfig",
         dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, window_size=16,
@@ -27,6 +36,7 @@ VL_PRESETS = {
     "qwen3_vl": dict(architecture="Qwen3VLForConditionalGeneration", seed=25, tie_word_embeddings=False),
     "qwen3_vl_moe": dict(architecture="Qwen3VLMoeForConditionalGeneration", seed=27, tie_word_embeddings=False),
     "qwen25_vl": dict(architecture="Qwen2_5_VLForConditionalGeneration", seed=26, tie_word_embeddings=False),
+    "gemma3_vl": dict(architecture="Gemma3ForConditionalGeneration", seed=28),  # tied, as Gemma 3's
 }
 VL_CONFIG_CLASSES = {
     "Qwen3VLForCausalLM": "Qwen3VLTextConfig", "Qwen3VLMoeForCausalLM": "Qwen3VLMoeTextConfig",
@@ -43,8 +53,8 @@ VL_CONFIGS = {  # head_dim 16: 8 rotary pairs, split (4, 2, 2) between time, hei
     "Qwen2_5_VLForCausalLM": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                         mrope_section=[2, 3, 3])),  # 8 pairs: 2, then 3, then 3
 }  # fmt: skip
-PLAIN_NORMS = frozenset(VL_MULTIMODAL)
-"""Multimodal models whose norms multiply by w (Qwen3's), not by 1 + w."""
+PLAIN_NORMS = frozenset(VL_MULTIMODAL) - {"Gemma3ForConditionalGeneration"}
+"""Multimodal models whose norms multiply by w (Qwen3's), not by 1 + w (a tower's LayerNorms always by w)."""
 _QWEN_TOKENS = dict(
     vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>", image_token_id="<|image_pad|>",
     video_token_id="<|video_pad|>",
@@ -53,7 +63,31 @@ VISION_TOKENS = dict.fromkeys(
     ("Qwen3_5ForConditionalGeneration", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
      "Qwen2_5_VLForConditionalGeneration"), _QWEN_TOKENS,
 )  # fmt: skip
+OUT_WIDTH = frozenset(VISION_TOKENS)
+"""Towers whose merger's output width is set to the text model's (Qwen's: Gemma 3's projector reads the text config)."""
+_GEMMA_TOKENS = dict(boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>")
+VISION_TOKENS["Gemma3ForConditionalGeneration"] = dict(
+    zip(("boi_token_index", "eoi_token_index", "image_token_index"), _GEMMA_TOKENS.values())
+)
 """The tiny vision-language models whose images run: their placeholder tokens, added to the tiny tokenizer."""
+MM_TOKENS_PER_IMAGE = 4  # Gemma 3's tiny tower: 4 x 4 patches, averaged 2 x 2
+
+
+def tokenizer_of(architecture: str):
+    """The tiny tokenizer of ``architecture``: with its images' placeholder tokens where its images run."""
+    from nanostream.testing.tokenizer import CHAT_TEMPLATE, CORPUS, build_tokenizer
+
+    if architecture != "Gemma3ForConditionalGeneration":
+        return with_vision_tokens(build_tokenizer(), architecture)
+    blank_lines = ["user\n\n", "\n\n", "\n\n\n", "\n\n\n\n", ".\n\n"] * 20  # merges of new lines
+    base = build_tokenizer(texts=[*CORPUS.splitlines(), *blank_lines])
+    base.add_special_tokens({"additional_special_tokens": list(_GEMMA_TOKENS.values())})
+    tokenizer = type(base)(
+        tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token, pad_token=base.pad_token,
+        clean_up_tokenization_spaces=False, extra_special_tokens=_GEMMA_TOKENS,
+    )  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+    return tokenizer
 
 
 def with_vision_tokens(tokenizer, architecture: str):
@@ -64,11 +98,13 @@ def with_vision_tokens(tokenizer, architecture: str):
 
 
 def image_processor(config):
-    """transformers' image processor of a tiny Qwen vision-language model (its PIL backend): images resized to
-    multiples of patch x merge pixels, between 16x16 and 64x64 pixels' worth."""
-    from transformers import Qwen2VLImageProcessorPil
+    """transformers' image processor of a tiny vision-language model (its PIL backend). Qwen's: images resized to
+    multiples of patch x merge pixels, between 16x16 and 64x64 pixels' worth; Gemma 3's: to the tower's size."""
+    from transformers import Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil
 
     vision = config.vision_config
+    if vision.model_type == "siglip_vision_model":
+        return Gemma3ImageProcessorPil(size={"height": vision.image_size, "width": vision.image_size})
     unit = vision.patch_size * vision.spatial_merge_size
     return Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
@@ -81,10 +117,10 @@ def vision_token_ids(architecture: str) -> tuple[dict[str, int], int] | None:
     vocabulary's size with them; None for any other architecture."""
     if architecture not in VISION_TOKENS:
         return None
-    from nanostream.testing.tokenizer import build_tokenizer
-
-    tokenizer = with_vision_tokens(build_tokenizer(), architecture)
+    tokenizer = tokenizer_of(architecture)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS[architecture].items()}
+    if architecture == "Gemma3ForConditionalGeneration":
+        ids["mm_tokens_per_image"] = MM_TOKENS_PER_IMAGE
     return ids, len(tokenizer)
 
 

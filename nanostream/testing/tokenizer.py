@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 # Byte-level BPE merges are learned from this text (written for nanostream). Emoji and CJK stay
 # split over several byte tokens, which is what streaming detokenization must cope with.
-_CORPUS = """\
+CORPUS = """\
 The engine keeps a pool of key and value blocks. Each request owns a table of blocks, and every
 step the scheduler decides which requests run: decodes first, then pieces of long prompts, then
 new arrivals while room remains. When memory runs out, the newest request steps aside and is
@@ -89,7 +89,7 @@ def build_tokenizer(vocab_size: int = 512, texts: Iterable[str] | None = None, *
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines() if texts is None else texts, trainer)
+    tok.train_from_iterator(CORPUS.splitlines() if texts is None else texts, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
     )

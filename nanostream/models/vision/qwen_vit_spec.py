@@ -58,6 +58,18 @@ class QwenViTSizes:
         """Values of one row of ``pixel_values``: channels x temporal x patch x patch."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
+    def grid_error(self, grid: Any) -> str | None:
+        """Why the encoder cannot take an image of ``grid`` (t, h, w), or None where it can: t >= 1, h and w
+        positive multiples of ``spatial_merge_size``."""
+        t, h, w = (int(v) for v in grid)
+        merge = self.spatial_merge_size
+        if t >= 1 and h >= merge and w >= merge and not h % merge and not w % merge:
+            return None
+        return (
+            f"the patch grid {(t, h, w)} is not (t >= 1, h, w) with h and w positive multiples of {merge}; send the "
+            "grid the model's image processor gave (image_grid_thw)"
+        )
+
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.head_dim % 4:
             raise ModelLoadError(

@@ -20,7 +20,8 @@ import torch
 from nanostream.models.vision.qwen25_vit import QwenWindowedEncoder
 from nanostream.models.vision.qwen_vit import QwenVisionEncoder
 from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec, QwenWindowedSpec, vision_spec
-from nanostream.models.vision.weights import load_vision_weights
+from nanostream.models.vision.siglip import SiglipEncoder, SiglipSpec
+from nanostream.models.vision.weights import VISION_PREFIXES, load_vision_weights
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +34,28 @@ QWEN_TOWERS = (
 )
 """Wrappers whose vision tower runs: the Qwen3.5 / 3.6 and Qwen3-VL encoder (with DeepStack features for Qwen3-VL),
 Qwen2.5-VL's windowed one (``QwenWindowedEncoder``); M-RoPE positions in the language model."""
+GEMMA_TOWERS = ("Gemma3ForConditionalGeneration",)
+"""Wrappers whose SigLIP tower and projector run (``SiglipEncoder``): one image size, a fixed number of tokens an
+image, which attend to each other both ways in the language model."""
 
-ENCODERS: dict[type, type[torch.nn.Module]] = {QwenVisionSpec: QwenVisionEncoder, QwenWindowedSpec: QwenWindowedEncoder}
+ENCODERS: dict[type, type[torch.nn.Module]] = {
+    QwenVisionSpec: QwenVisionEncoder,
+    QwenWindowedSpec: QwenWindowedEncoder,
+    SiglipSpec: SiglipEncoder,
+}
 """The encoder each kind of spec describes."""
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionTower:
     """A checkpoint's vision encoder and how its images sit in a prompt: each image is ``t*h*w / merge²``
-    consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace."""
+    consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace. ``bidirectional``: an
+    image's tokens attend to each other both ways in the language model (Gemma 3's), not causally (Qwen's).
+    ``spec.grid_error(grid)`` says why the tower cannot take an image's grid (None: it can)."""
 
-    spec: QwenVisionSpec | QwenWindowedSpec
+    spec: QwenVisionSpec | QwenWindowedSpec | SiglipSpec
     image_token_id: int
-    bidirectional: bool = False  # an image's tokens attend to each other both ways in the language model
+    bidirectional: bool = False
 
     @property
     def merge(self) -> int:
@@ -61,7 +71,7 @@ class VisionTower:
         with torch.device(device):
             encoder = ENCODERS[type(self.spec)](self.spec)
         if load_format != "dummy":
-            load_vision_weights(encoder, Path(path))
+            load_vision_weights(encoder, Path(path), getattr(encoder, "checkpoint_prefixes", VISION_PREFIXES))
         return encoder.to(dtype).eval()
 
 
@@ -70,8 +80,12 @@ def vision_tower(model: Any) -> VisionTower | None:
     has none that runs; a multimodal wrapper whose tower does not run yet is logged (its language model runs)."""
     config = model.hf_config
     vision = getattr(config, "vision_config", None)
-    if model.architecture not in QWEN_TOWERS or vision is None:
+    if model.architecture not in QWEN_TOWERS + GEMMA_TOWERS or vision is None:
         if vision is not None:
             log.info("%s: its vision tower does not run yet; text prompts only", model.architecture)
         return None
-    return VisionTower(vision_spec(vision), int(config.image_token_id))
+    image_token_id = getattr(config, "image_token_id", None)
+    image_token_id = getattr(config, "image_token_index", None) if image_token_id is None else image_token_id
+    if model.architecture in GEMMA_TOWERS:
+        return VisionTower(SiglipSpec.from_config(config), int(image_token_id), bidirectional=True)
+    return VisionTower(vision_spec(vision), int(image_token_id))

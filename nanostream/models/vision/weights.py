@@ -5,6 +5,11 @@ Qwen2.5-VL uploads) under ``visual.``. The encoder's own parameter names are the
 parameter must be found and every tensor under the prefix must be used::
 
     load_vision_weights(encoder, Path("Qwen3.5-9B"))
+
+An encoder whose parameters come from several places of the checkpoint (Gemma 3's tower and projector) names
+them by groups, its own prefix -> the checkpoint's alternatives::
+
+    load_vision_weights(encoder, Path("gemma-3-4b-it"), {"vision_model.": ("vision_tower.vision_model.",), ...})
 """
 
 from __future__ import annotations
@@ -32,21 +37,28 @@ def _shards(path: Path) -> list[Path]:
     return shards
 
 
-def load_vision_weights(encoder: nn.Module, path: Path, prefixes: tuple[str, ...] = VISION_PREFIXES) -> None:
+def load_vision_weights(
+    encoder: nn.Module, path: Path, prefixes: tuple[str, ...] | dict[str, tuple[str, ...]] = VISION_PREFIXES
+) -> None:
     """Copy the checkpoint's tensors under the first of ``prefixes`` that it has into ``encoder``'s parameters
-    (cast to their dtype, on their device). ModelLoadError names a missing, unexpected or misshapen tensor."""
+    (cast to their dtype, on their device); a dict: for each of the encoder's name prefixes, the checkpoint's.
+    ModelLoadError names a missing, unexpected or misshapen tensor."""
     shards = _shards(Path(path))
     keys = {}  # checkpoint name -> shard
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             keys.update(dict.fromkeys(f.keys(), shard))
-    prefix = next((p for p in prefixes if any(k.startswith(p) for k in keys)), prefixes[0])
+    groups = prefixes if isinstance(prefixes, dict) else {"": prefixes}
+    chosen = {  # the checkpoint's prefix -> the encoder's
+        next((p for p in options if any(k.startswith(p) for k in keys)), options[0]): own
+        for own, options in groups.items()
+    }
     params = dict(encoder.named_parameters())
     found = set()
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
-            for key in (k for k, s in keys.items() if s == shard and k.startswith(prefix)):
-                name = key[len(prefix) :]
+            for key, prefix in ((k, p) for k, s in keys.items() if s == shard for p in chosen if k.startswith(p)):
+                name = chosen[prefix] + key[len(prefix) :]
                 if name not in params:
                     raise ModelLoadError(f"checkpoint tensor {key} has no place in the vision encoder")
                 tensor, param = f.get_tensor(key), params[name]
@@ -62,5 +74,5 @@ def load_vision_weights(encoder: nn.Module, path: Path, prefixes: tuple[str, ...
     if missing:
         raise ModelLoadError(
             f"the checkpoint at {path} lacks {len(missing)} vision encoder tensors (first: {missing[0]}) under "
-            f"{' or '.join(prefixes)}; is it a vision-language checkpoint?"
+            f"{' or '.join(p for options in groups.values() for p in options)}; is it a vision-language checkpoint?"
         )
