@@ -144,11 +144,9 @@ def check_images(
 def _check_image(k: int, image: ImageInput, tower: VisionTower) -> SeqImage:
     t, h, w = image.grid
     merge = tower.merge
-    if t < 1 or h < merge or w < merge or h % merge or w % merge:
-        raise InvalidRequestError(
-            f"image {k}'s patch grid {tuple(image.grid)} is not (t >= 1, h, w) with h and w positive multiples of "
-            f"{merge}; send the grid the model's image processor gave (image_grid_thw)"
-        )
+    wrong = tower.spec.grid_error(image.grid)
+    if wrong is not None:
+        raise InvalidRequestError(f"image {k}: {wrong}")
     values = tower.spec.patch_pixels
     if len(image.pixels) != t * h * w * values * _FLOAT:
         raise InvalidRequestError(

@@ -36,7 +36,11 @@ VL_PRESETS = {
     "qwen3_vl": dict(architecture="Qwen3VLForConditionalGeneration", seed=25, tie_word_embeddings=False),
     "qwen3_vl_moe": dict(architecture="Qwen3VLMoeForConditionalGeneration", seed=27, tie_word_embeddings=False),
     "qwen25_vl": dict(architecture="Qwen2_5_VLForConditionalGeneration", seed=26, tie_word_embeddings=False),
-    "gemma3_vl": dict(architecture="Gemma3ForConditionalGeneration", seed=28),  # tied, as Gemma 3's
+    # untied: a tied tiny Gemma 3 repeats its last token whatever it sees, which no parity test could tell apart; no
+    # final soft cap, as Gemma 3's configs (transformers' multimodal Gemma 3 ignores one)
+    "gemma3_vl": dict(
+        architecture="Gemma3ForConditionalGeneration", seed=28, tie_word_embeddings=False, final_logit_softcapping=None
+    ),
 }
 VL_CONFIG_CLASSES = {
     "Qwen3VLForCausalLM": "Qwen3VLTextConfig", "Qwen3VLMoeForCausalLM": "Qwen3VLMoeTextConfig",

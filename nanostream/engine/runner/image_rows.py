@@ -56,8 +56,13 @@ class ImageRows:
         measurement of the memory left for the KV pool then counts the encoder's peak."""
         spec = self.encoder.spec
         side = math.isqrt(self.max_patches) // spec.spatial_merge_size * spec.spatial_merge_size
+        grids = [(1, side, side)]
+        fixed = getattr(spec, "grid", None)  # a tower of one image size (SigLIP's): as many as a call takes
+        if fixed is not None:
+            grids = [fixed] * max(1, self.max_patches // math.prod(fixed))
         dtype = next(self.encoder.parameters()).dtype
-        self.encoder(torch.zeros(side * side, spec.patch_pixels, dtype=dtype, device=device), [(1, side, side)])
+        rows = sum(math.prod(g) for g in grids)
+        self.encoder(torch.zeros(rows, spec.patch_pixels, dtype=dtype, device=device), grids)
 
     def step_inputs(
         self, chunks: list[Chunk], inputs: StepInputs, uploads: Uploads | None = None, tp: TensorParallel = SINGLE
