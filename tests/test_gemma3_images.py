@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
+from test_image_engine import _image, _run
 
 from nanostream import InvalidRequestError, SamplingParams
 from nanostream.config import EngineConfig
@@ -27,10 +27,6 @@ def gemma(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("gemma3_vl"), **TINY_PRESETS["gemma3_vl"])
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf, ImagePreparer.from_pretrained(path)
-
-
-def _image(h, w, seed):
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8))
 
 
 def _request(gemma, parts, seed=0):
@@ -69,23 +65,6 @@ def _hf_greedy(gemma, ids, prepared, n, logprobs=None):
         if logprobs is not None:
             logprobs.append(float(out.logits[0, -1].log_softmax(-1)[seq[-1]]))
     return seq[len(ids) :]
-
-
-def _run(engine, requests, n, logprobs=None):
-    """Each request's greedy tokens and cached prompt tokens; each token's log-probability into ``logprobs``."""
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
-    for i, (ids, images) in enumerate(requests):
-        engine.add_request(f"r{i}", ids, params, images)
-    tokens, cached = {}, {}
-    while engine.has_unfinished():
-        for delta in engine.step().deltas:
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            if logprobs is not None:
-                logprobs += [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
-            if delta.usage is not None:
-                cached[delta.request_id] = delta.usage.cached_tokens
-    keys = [f"r{i}" for i in range(len(requests))]
-    return [tokens[k] for k in keys], [cached.get(k, 0) for k in keys]
 
 
 def _engine(gemma, **options):

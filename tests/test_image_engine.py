@@ -76,15 +76,18 @@ def _engine(vl, **options):
     return LLMEngine(EngineConfig(str(vl[0]), **{**ENGINE, **options}))
 
 
-def _run(engine, requests, n):
-    """Each (prompt ids, images) request's greedy tokens and cached prompt tokens, run together."""
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def _run(engine, requests, n, logprobs=None):
+    """Each (prompt ids, images) request's greedy tokens and cached prompt tokens, run together; each token's
+    log-probability appended to ``logprobs`` where given."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     for i, (ids, images) in enumerate(requests):
         engine.add_request(f"r{i}", ids, params, images)
     tokens, cached = {}, {}
     while engine.has_unfinished():
         for delta in engine.step().deltas:
             tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if logprobs is not None:
+                logprobs += [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]
             if delta.usage is not None:
                 cached[delta.request_id] = delta.usage.cached_tokens
     keys = [f"r{i}" for i in range(len(requests))]
