@@ -166,3 +166,25 @@ def test_llm_chat_with_an_image_equals_transformers_processor_and_model(gemma):
         (chat,) = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
     assert chat.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert chat.token_ids == seq[-8:]
+
+
+@pytest.mark.slow
+def test_two_ranks_let_an_images_tokens_see_each_other_as_one_rank_does(gemma):
+    # The worker takes each step's image rows by broadcast and their both-ways mask from its own reading of them
+    # (Setup.images_whole): equal tokens and log-probabilities to one rank's (which equal transformers', above),
+    # through chunks that stop before images, a preemption and a prefix hit.
+    from helpers import outputs_at_one_and_two_ranks
+
+    first, second = _image(40, 56, 11), _image(48, 32, 12)
+    prompts = []
+    for parts in ([6, first, 9], [6, first, 9, second, 4], [3, second, 7, first, 5]):
+        ids, *_ = _request(gemma, parts, seed=3)
+        prompts.append({"prompt": ids, "multi_modal_data": {"image": [p for p in parts if not isinstance(p, int)]}})
+    options = dict(ENGINE, max_num_batched_tokens=12, max_num_seqs=3, num_kvcache_blocks=40)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0)
+    one, two = outputs_at_one_and_two_ranks(gemma[0], prompts, params, **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    for a, b in zip(one, two):
+        lp_one = [lp[t] for t, lp in zip(a.token_ids, a.outputs[0].logprobs)]
+        lp_two = [lp[t] for t, lp in zip(b.token_ids, b.outputs[0].logprobs)]
+        assert np.allclose(lp_one, lp_two, atol=1e-5, rtol=0)

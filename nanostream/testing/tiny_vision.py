@@ -123,8 +123,9 @@ def vision_token_ids(architecture: str) -> tuple[dict[str, int], int] | None:
         return None
     tokenizer = tokenizer_of(architecture)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS[architecture].items()}
-    if architecture == "Gemma3ForConditionalGeneration":
-        ids["mm_tokens_per_image"] = MM_TOKENS_PER_IMAGE
+    if architecture == "Gemma3ForConditionalGeneration":  # its vocabulary a multiple of 8, as published ones are
+        ids["mm_tokens_per_image"] = MM_TOKENS_PER_IMAGE  # (so tensor-parallel ranks split it)
+        return ids, -(-len(tokenizer) // 8) * 8
     return ids, len(tokenizer)
 
 
