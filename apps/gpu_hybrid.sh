@@ -9,7 +9,7 @@
 #   bash apps/gpu_hybrid.sh htests  # test_hybrid_engine.py's GPU tests alone, ~5 min
 #   bash apps/gpu_hybrid.sh long    # 64 sequences of 16k context, 256 output tokens: Qwen3-8B then Qwen3.5-9B, ~8 min
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
-#   bash apps/gpu_hybrid.sh images  # issue 58: test_image_engine.py's GPU tests, then apps/bench_images.py on the
+#   bash apps/gpu_hybrid.sh images  # issue 58: the image GPU tests (Qwen, Gemma 3, the kernel), then apps/bench_images.py on the
 #                                   #   Qwen3.5-9B VL shape (dummy weights): 256 requests with a 448 x 448 image vs without
 #   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
 #                                   #   bench workload and batch 1, the pool's size
@@ -80,7 +80,8 @@ engine|htests)  # the hybrid engine's GPU tests alone (a stack dump of every thr
     BENCH_S=120 bench qwen3-8b qwen3-8b "${dummy[@]}"
     BENCH_S=190 bench qwen3.5-9b qwen3.5-9b ;;
 images)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 tests/test_image_engine.py 2>&1 | tail -n 12
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=3 tests/test_image_engine.py \
+        tests/test_gemma3_images.py tests/test_image_attention.py 2>&1 | tail -n 12
     timeout 330 python3 apps/bench_images.py --preset qwen3.5-9b-vl 2>&1 | grep -v "Loading weights" \
         | tee "$out/bench_images.log" | tail -n 8 ;;
 mla)

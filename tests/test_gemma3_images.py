@@ -188,3 +188,21 @@ def test_two_ranks_let_an_images_tokens_see_each_other_as_one_rank_does(gemma):
         lp_one = [lp[t] for t, lp in zip(a.token_ids, a.outputs[0].logprobs)]
         lp_two = [lp[t] for t, lp in zip(b.token_ids, b.outputs[0].logprobs)]
         assert np.allclose(lp_one, lp_two, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_on_a_gpu_gemma3_images_give_the_cpu_engines_tokens_and_logprobs(backend, gemma):
+    # The compiled prefill kernel with each image row's last key (flash_attn hands those steps to it), the encoder
+    # on the device, the decode CUDA graphs after; float32, so the tokens and log-probabilities are the CPU's.
+    requests = [_request(gemma, parts, seed=i) for i, parts in enumerate(REQUESTS.values())]
+    inputs = [(ids, images) for ids, images, _ in requests]
+    cpu_lp, gpu_lp = [], []
+    cpu, _ = _run(_engine(gemma), inputs, 10, cpu_lp)
+    try:
+        engine = _engine(gemma, device="cuda", attention_backend=backend, max_num_seqs=8, gpu_memory_utilization=0.3)
+    except ValueError as exc:  # flash_attn not installed or not for this GPU
+        pytest.skip(str(exc))
+    gpu, _ = _run(engine, inputs, 10, gpu_lp)
+    assert gpu == cpu
+    assert np.allclose(gpu_lp, cpu_lp, atol=1e-3, rtol=0)
