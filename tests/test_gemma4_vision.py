@@ -48,9 +48,15 @@ def _images(seed: int) -> list[Image.Image]:
 def test_the_tower_is_gemma4s(checkpoint):
     tower = vision_tower(read_model_config(checkpoint))
     assert isinstance(tower.spec, Gemma4VisionSpec) and tower.merge == 2
-    assert tower.bidirectional and tower.bidirectional_layers == "sliding"
+    assert not tower.bidirectional and tower.bidirectional_layers == "sliding"  # the preset's text config: causal
     assert tower.image_token_id == AutoTokenizer.from_pretrained(checkpoint).image_token_id
     assert tower.spec.patch_pixels == 3 * 4 * 4 and tower.spec.num_tokens((1, 10, 24)) == 60
+
+
+def test_images_attend_both_ways_on_sliding_layers_where_the_config_says_vision(tmp_path):
+    preset = dict(TINY_PRESETS["gemma4_vl"], use_bidirectional_attention="vision", weights=False)
+    tower = vision_tower(read_model_config(make_tiny_model(tmp_path, **preset)))
+    assert tower.bidirectional and tower.bidirectional_layers == "sliding"
 
 
 @pytest.mark.parametrize("count", [1, 2])
@@ -79,8 +85,8 @@ def test_encoder_equals_transformers(checkpoint, count):
 def test_grids_the_tower_cannot_take_are_refused(checkpoint):
     tower = vision_tower(read_model_config(checkpoint))
     assert tower.spec.grid_error((1, 10, 24)) is None
-    for grid in [(1, 10, 23), (2, 10, 24), (1, 0, 4), (1, 66, 2)]:
-        assert "multiples of 2 (the pooling kernel) and at most 64" in tower.spec.grid_error(grid)
+    for grid in [(1, 10, 23), (2, 10, 24), (1, 0, 4), (1, 258, 2)]:
+        assert "multiples of 2 (the pooling kernel) and at most 256" in tower.spec.grid_error(grid)
     encoder = tower.build(checkpoint, dtype=torch.float32, device="cpu", load_format="dummy")
     with pytest.raises(ValueError, match=r"the patch grid \(1, 3, 4\) does not fit"):
         encoder(torch.zeros(12, 48), [(1, 3, 4)])
