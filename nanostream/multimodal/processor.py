@@ -9,7 +9,8 @@
 
 The Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5/3.6: the ``Qwen2VLImageProcessor`` family, whose ``pixel_values``
 rows are the patches of all images one after another and ``image_grid_thw`` their grids), and Gemma 3
-(``GemmaImagePreparer``, multimodal/gemma_images.py: one image size, its placeholder widened as Gemma3Processor does).
+(``GemmaImagePreparer``, multimodal/gemma_images.py: one image size, its placeholder widened as Gemma3Processor does)
+and Gemma 4 (``Gemma4ImagePreparer``, multimodal/gemma4_images.py: sizes kept in aspect, widened as Gemma4Processor).
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ class ImagePreparer:
         kind = type(processor).__name__
         if kind.startswith("Gemma3ImageProcessor"):
             return _gemma_preparer(path, config, processor)
+        if kind.startswith("Gemma4ImageProcessor"):
+            return _gemma4_preparer(path, config, processor)
         image_token_id = getattr(config, "image_token_id", None)
         if not kind.startswith("Qwen2VLImageProcessor") or image_token_id is None:
             raise ModelLoadError(
                 f"images are not supported for {architecture} yet (its image processor is {kind}); nanostream "
-                "takes images for the Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5) and Gemma 3; send this model text "
-                "only"
+                "takes images for the Qwen family (Qwen2.5-VL, Qwen3-VL, Qwen3.5), Gemma 3 and Gemma 4; send this "
+                "model text only"
             )
         merge_size = getattr(vision, "spatial_merge_size", None)
         if merge_size != processor.merge_size:
@@ -154,6 +157,24 @@ def _gemma_preparer(path: Path, config: Any, processor: Any) -> ImagePreparer:
         token_ids=(token("boi"), token("image"), token("eoi")),
         num_tokens=int(config.mm_tokens_per_image),
         patch_size=int(vision.patch_size),
+    )
+
+
+def _gemma4_preparer(path: Path, config: Any, processor: Any) -> ImagePreparer:
+    """Gemma 4's preparer: its image tokens (begin, image, end) and the pooling its tower and processor share."""
+    from nanostream.multimodal.gemma4_images import Gemma4ImagePreparer
+
+    vision = config.vision_config
+    if (processor.patch_size, processor.pooling_kernel_size) != (vision.patch_size, vision.pooling_kernel_size):
+        raise ModelLoadError(
+            f"{path}: {PROCESSOR_FILE} cuts {processor.patch_size}-pixel patches pooled "
+            f"{processor.pooling_kernel_size}x{processor.pooling_kernel_size}, the vision config "
+            f"{vision.patch_size}-pixel ones pooled {vision.pooling_kernel_size}x{vision.pooling_kernel_size}; is the "
+            f"checkpoint's {PROCESSOR_FILE} its own?"
+        )
+    ids = (config.boi_token_id, config.image_token_id, config.eoi_token_id)
+    return Gemma4ImagePreparer(
+        processor, token_ids=tuple(int(i) for i in ids), pooling_kernel_size=int(vision.pooling_kernel_size)
     )
 
 

@@ -68,8 +68,11 @@ FAMILY_MULTIMODAL: dict[str, tuple[str, str, dict]] = {
     ),
     "Gemma4ForConditionalGeneration": (
         "Gemma4ForCausalLM", "Gemma4Config",
-        dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-             num_attention_heads=2, num_key_value_heads=2, head_dim=16, patch_size=16, position_embedding_size=64),
+        # two layers of four heads over two KV heads; 4-pixel patches pooled 2 x 2; images of at most 70 tokens; a
+        # position table of 256 a side (start-up encodes a square of 4 x max_num_batched_tokens patches)
+        dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+             position_embedding_size=256),
     ),
 }  # fmt: skip
 """A multimodal checkpoint's tiny model: its language model's architecture, its config class, its vision config."""
@@ -87,7 +90,9 @@ FAMILY_PRESETS: dict[str, dict] = {
     "llama4_vl": dict(architecture="Llama4ForConditionalGeneration", seed=40, tie_word_embeddings=False),
     "lfm2": dict(architecture="Lfm2ForCausalLM", seed=41),  # tied, as published
     "gemma4": dict(architecture="Gemma4ForCausalLM", seed=42),  # tied, as published
-    "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43),
+    # untied: a tied tiny Gemma repeats its last token whatever it sees (tiny_vision.py's gemma3_vl). Its images'
+    # tokens attend causally (use_bidirectional_attention unset, as the small Gemma 4s): config_reader refuses "vision"
+    "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43, tie_word_embeddings=False),
     # Gemma 4's MoE block (enable_moe_block): the top 2 of 8 GeGLU experts beside every layer's dense MLP
     "gemma4_moe": dict(
         architecture="Gemma4ForCausalLM", seed=44, enable_moe_block=True, num_experts=8, top_k_experts=2,

@@ -3,7 +3,10 @@ image placeholder tokens, and transformers' own image processor at the tiny towe
 
 Gemma 3's (``gemma3_vl``): a SigLIP tower of 4 x 4 patches (56 px, 14 px patches) pooled to 4 tokens, a tokenizer
 with Gemma 3's image tokens whose chat template writes ``<start_of_image>`` for an image part, and whose BPE merges
-blank lines (so that the new lines Gemma3Processor writes around an image merge with the text beside them)."""
+blank lines (so that the new lines Gemma3Processor writes around an image merge with the text beside them).
+Gemma 4's (``gemma4_vl``, testing/tiny_families.py): a tower of 4-pixel patches pooled 2 x 2, images resized to at most
+70 tokens; a tokenizer with Gemma 4's image and audio tokens whose chat template writes ``<|image|>`` for an image
+part."""
 
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ VL_CONFIGS = {  # head_dim 16: 8 rotary pairs, split (4, 2, 2) between time, hei
     "Qwen2_5_VLForCausalLM": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                         mrope_section=[2, 3, 3])),  # 8 pairs: 2, then 3, then 3
 }  # fmt: skip
-PLAIN_NORMS = frozenset(VL_MULTIMODAL) - {"Gemma3ForConditionalGeneration"}
+PLAIN_NORMS = frozenset(VL_MULTIMODAL) - {"Gemma3ForConditionalGeneration"} | {"Gemma4ForConditionalGeneration"}
 """Multimodal models whose norms multiply by w (Qwen3's), not by 1 + w (a tower's LayerNorms always by w)."""
 _QWEN_TOKENS = dict(
     vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>", image_token_id="<|image_pad|>",
@@ -75,22 +78,34 @@ VISION_TOKENS["Gemma3ForConditionalGeneration"] = dict(
 )
 """The tiny vision-language models whose images run: their placeholder tokens, added to the tiny tokenizer."""
 MM_TOKENS_PER_IMAGE = 4  # Gemma 3's tiny tower: 4 x 4 patches, averaged 2 x 2
+GEMMA4_TOKENS = dict(
+    boi_token="<|image>", image_token="<|image|>", eoi_token="<image|>", boa_token="<|audio>", audio_token="<|audio|>",
+    eoa_token="<audio|>", video_token="<|video|>",
+)  # fmt: skip
+VISION_TOKENS["Gemma4ForConditionalGeneration"] = dict(
+    zip(("boi_token_id", "image_token_id", "eoi_token_id", "boa_token_id", "audio_token_id", "eoa_token_index",
+         "video_token_id"), GEMMA4_TOKENS.values())
+)  # fmt: skip
+GEMMA4_SOFT_TOKENS = 70  # at most an image (the fewest Gemma 4's image processor offers)
+_EXTRA_TOKENS = {"Gemma3ForConditionalGeneration": _GEMMA_TOKENS, "Gemma4ForConditionalGeneration": GEMMA4_TOKENS}
 
 
 def tokenizer_of(architecture: str):
     """The tiny tokenizer of ``architecture``: with its images' placeholder tokens where its images run."""
     from nanostream.testing.tokenizer import CHAT_TEMPLATE, CORPUS, build_tokenizer
 
-    if architecture != "Gemma3ForConditionalGeneration":
+    if architecture not in _EXTRA_TOKENS:
         return with_vision_tokens(build_tokenizer(), architecture)
+    tokens = _EXTRA_TOKENS[architecture]
     blank_lines = ["user\n\n", "\n\n", "\n\n\n", "\n\n\n\n", ".\n\n"] * 20  # merges of new lines
     base = build_tokenizer(texts=[*CORPUS.splitlines(), *blank_lines])
-    base.add_special_tokens({"additional_special_tokens": list(_GEMMA_TOKENS.values())})
+    base.add_special_tokens({"additional_special_tokens": list(tokens.values())})
     tokenizer = type(base)(
         tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token, pad_token=base.pad_token,
-        clean_up_tokenization_spaces=False, extra_special_tokens=_GEMMA_TOKENS,
+        clean_up_tokenization_spaces=False, extra_special_tokens=tokens,
     )  # fmt: skip
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+    part = tokens["boi_token"] if architecture == "Gemma3ForConditionalGeneration" else tokens["image_token"]
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", part)
     return tokenizer
 
 
@@ -104,9 +119,14 @@ def with_vision_tokens(tokenizer, architecture: str):
 def image_processor(config):
     """transformers' image processor of a tiny vision-language model (its PIL backend). Qwen's: images resized to
     multiples of patch x merge pixels, between 16x16 and 64x64 pixels' worth; Gemma 3's: to the tower's size."""
-    from transformers import Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil
+    from transformers import Gemma3ImageProcessorPil, Gemma4ImageProcessorPil, Qwen2VLImageProcessorPil
 
     vision = config.vision_config
+    if vision.model_type == "gemma4_vision":
+        return Gemma4ImageProcessorPil(
+            patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size,
+            max_soft_tokens=GEMMA4_SOFT_TOKENS,
+        )  # fmt: skip
     if vision.model_type == "siglip_vision_model":
         return Gemma3ImageProcessorPil(size={"height": vision.image_size, "width": vision.image_size})
     unit = vision.patch_size * vision.spatial_merge_size
@@ -123,9 +143,10 @@ def vision_token_ids(architecture: str) -> tuple[dict[str, int], int] | None:
         return None
     tokenizer = tokenizer_of(architecture)
     ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in VISION_TOKENS[architecture].items()}
-    if architecture == "Gemma3ForConditionalGeneration":  # its vocabulary a multiple of 8, as published ones are
-        ids["mm_tokens_per_image"] = MM_TOKENS_PER_IMAGE  # (so tensor-parallel ranks split it)
-        return ids, -(-len(tokenizer) // 8) * 8
+    if architecture == "Gemma3ForConditionalGeneration":
+        ids["mm_tokens_per_image"] = MM_TOKENS_PER_IMAGE
+    if architecture in _EXTRA_TOKENS:  # its vocabulary a multiple of 8, as published ones are (so tensor-parallel
+        return ids, -(-len(tokenizer) // 8) * 8  # ranks split it)
     return ids, len(tokenizer)
 
 

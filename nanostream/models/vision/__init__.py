@@ -4,6 +4,8 @@
   (``qwen_vit_spec``) and its per-image tables (``qwen_vit_grid``);
 - ``qwen25_vit``: Qwen2.5-VL's windowed vision transformer (``QwenWindowedEncoder``, spec ``QwenWindowedSpec``),
   built from qwen_vit's patch embedding, rotary and attention; ``vision_spec`` reads either kind of config;
+- ``gemma4_vit``: Gemma 4's tower and multimodal embedder (``Gemma4VisionEncoder``), images of many shapes pooled
+  k x k; its spec in ``gemma4_vit_spec`` (``Gemma4VisionSpec``);
 - ``weights``: loading an encoder from a checkpoint's ``model.visual.*`` tensors;
 - ``mrope``: Qwen's multimodal rotary positions (temporal, height, width) for prompts with images.
 """

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from nanostream.models.vision.gemma4_vit import Gemma4VisionEncoder
+from nanostream.models.vision.gemma4_vit_spec import Gemma4VisionSpec
 from nanostream.models.vision.qwen25_vit import QwenWindowedEncoder
 from nanostream.models.vision.qwen_vit import QwenVisionEncoder
 from nanostream.models.vision.qwen_vit_spec import QwenVisionSpec, QwenWindowedSpec, vision_spec
@@ -34,14 +36,17 @@ QWEN_TOWERS = (
 )
 """Wrappers whose vision tower runs: the Qwen3.5 / 3.6 and Qwen3-VL encoder (with DeepStack features for Qwen3-VL),
 Qwen2.5-VL's windowed one (``QwenWindowedEncoder``); M-RoPE positions in the language model."""
-GEMMA_TOWERS = ("Gemma3ForConditionalGeneration",)
-"""Wrappers whose SigLIP tower and projector run (``SiglipEncoder``): one image size, a fixed number of tokens an
-image, which attend to each other both ways in the language model."""
+GEMMA_TOWERS = ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
+"""Wrappers whose image tokens may attend to each other both ways in the language model: Gemma 3's SigLIP tower and
+projector (``SiglipEncoder``: one image size, a fixed number of tokens an image), Gemma 4's tower and embedder
+(``Gemma4VisionEncoder``: images of many shapes, h*w / k² tokens, both ways on the sliding layers only and only where
+the text config's ``use_bidirectional_attention`` is "vision")."""
 
 ENCODERS: dict[type, type[torch.nn.Module]] = {
     QwenVisionSpec: QwenVisionEncoder,
     QwenWindowedSpec: QwenWindowedEncoder,
     SiglipSpec: SiglipEncoder,
+    Gemma4VisionSpec: Gemma4VisionEncoder,
 }
 """The encoder each kind of spec describes."""
 
@@ -50,12 +55,14 @@ ENCODERS: dict[type, type[torch.nn.Module]] = {
 class VisionTower:
     """A checkpoint's vision encoder and how its images sit in a prompt: each image is ``t*h*w / merge²``
     consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace. ``bidirectional``: an
-    image's tokens attend to each other both ways in the language model (Gemma 3's), not causally (Qwen's).
+    image's tokens attend to each other both ways in the language model (Gemma 3's), not causally (Qwen's), on the
+    layers ``bidirectional_layers`` names: "all" (Gemma 3's) or "sliding" (Gemma 4's: its full layers stay causal).
     ``spec.grid_error(grid)`` says why the tower cannot take an image's grid (None: it can)."""
 
-    spec: QwenVisionSpec | QwenWindowedSpec | SiglipSpec
+    spec: QwenVisionSpec | QwenWindowedSpec | SiglipSpec | Gemma4VisionSpec
     image_token_id: int
     bidirectional: bool = False
+    bidirectional_layers: str = "all"
 
     @property
     def merge(self) -> int:
@@ -86,6 +93,10 @@ def vision_tower(model: Any) -> VisionTower | None:
         return None
     image_token_id = getattr(config, "image_token_id", None)
     image_token_id = getattr(config, "image_token_index", None) if image_token_id is None else image_token_id
+    if model.architecture == "Gemma4ForConditionalGeneration":
+        both_ways = getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+        spec = Gemma4VisionSpec.from_config(config)
+        return VisionTower(spec, int(image_token_id), bidirectional=both_ways, bidirectional_layers="sliding")
     if model.architecture in GEMMA_TOWERS:
         return VisionTower(SiglipSpec.from_config(config), int(image_token_id), bidirectional=True)
     return VisionTower(vision_spec(vision), int(image_token_id))
