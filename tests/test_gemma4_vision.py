@@ -136,3 +136,27 @@ def test_placeholders_unlike_the_images_are_refused(checkpoint):
         preparer.place([token, 1, token], [image])
     with pytest.raises(ImageError, match="expanded to 3 image tokens; its grid \\(1, 10, 24\\) takes 60"):
         preparer.place([boi, token, token, token, eoi], [image])
+
+
+def test_the_engine_refuses_gemma4s_images_until_its_language_model_attends_them_and_runs_its_text(tmp_path):
+    # The tower runs (above); the language model's both-ways attention on its sliding layers and its per-layer
+    # inputs at image tokens do not yet: an image is refused as a text model's is, with no encoder built.
+    import numpy as np
+    from PIL import Image
+
+    from nanostream import LLM, InvalidRequestError, SamplingParams
+
+    path = make_tiny_model(tmp_path, **dict(TINY_PRESETS["gemma4_vl"], use_bidirectional_attention="vision"))
+    image = Image.fromarray((np.random.default_rng(0).random((32, 40, 3)) * 255).astype(np.uint8))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(path), device="cpu", dtype="float32") as llm:
+        assert llm.engine.vision is None and llm.engine.runner.images is None
+        content = [{"type": "text", "text": "What is it?"}, {"type": "image", "image": image}]
+        with pytest.raises(InvalidRequestError, match="takes no images"):
+            llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+        (text,) = llm.chat([{"role": "user", "content": "What is it?"}], params, use_tqdm=False)
+    # its text as transformers' model runs it, the config's "vision" both-ways attention touching no text token
+    hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([text.prompt_token_ids]), max_new_tokens=4, do_sample=False)
+    assert text.token_ids == out[0, len(text.prompt_token_ids) :].tolist()

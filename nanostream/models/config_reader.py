@@ -105,7 +105,8 @@ def _refuse_unsupported(hf_config: Any, name: str, arch: Architecture) -> None:
     fp8_spec(getattr(hf_config, "quantization_config", None), name)  # refuses what does not load, by name
     if getattr(hf_config, "attn_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{name} with attn_logit_softcapping is not supported; nanostream caps only final logits")
-    if getattr(hf_config, "use_bidirectional_attention", False):
+    both_ways = getattr(hf_config, "use_bidirectional_attention", False)
+    if both_ways and both_ways != "vision":  # "vision" (Gemma 4's): only images' tokens, which the engine places
         raise ModelLoadError(f"{name} with use_bidirectional_attention is not supported; nanostream attends causally")
     for key, runs in arch.fixed_values:
         value = getattr(hf_config, key, runs)
