@@ -101,7 +101,8 @@ def test_the_engine_without_the_both_ways_mask_parts_from_transformers(gemma):
     tokens = _hf_greedy(gemma, ids, prepared, 6, expected)
     for whole in (True, False):
         engine, got = _engine(gemma), []
-        engine.runner.images.whole = whole  # False: no q_last, the image tokens attend causally
+        if not whole:
+            engine.runner.images.whole = None  # no q_last: the image tokens attend causally
         assert _run(engine, [(ids, images)], 6, got)[0][0] == tokens
         close = np.allclose(got, expected, atol=1e-4, rtol=0)
         assert close == whole, (whole, got, expected)

@@ -138,25 +138,81 @@ def test_placeholders_unlike_the_images_are_refused(checkpoint):
         preparer.place([boi, token, token, token, eoi], [image])
 
 
-def test_the_engine_refuses_gemma4s_images_until_its_language_model_attends_them_and_runs_its_text(tmp_path):
-    # The tower runs (above); the language model's both-ways attention on its sliding layers and its per-layer
-    # inputs at image tokens do not yet: an image is refused as a text model's is, with no encoder built.
-    import numpy as np
-    from PIL import Image
+@pytest.mark.parametrize("both_ways", ["vision", None])
+def test_chat_with_images_equals_transformers_processor_and_model(tmp_path, both_ways):
+    # A user's message with two images through LLM.chat: transformers' Gemma4Processor's ids, and its model's greedy
+    # tokens and log-probabilities on them (image tokens seeing each other both ways on the windowed layers where
+    # the config says "vision", each image token's per-layer input the pad token's); without the both-ways mask, or
+    # attending causally where the config asks for it, the log-probabilities part.
+    from nanostream import LLM, SamplingParams
 
-    from nanostream import LLM, InvalidRequestError, SamplingParams
+    path = make_tiny_model(tmp_path, **dict(TINY_PRESETS["gemma4_vl"], use_bidirectional_attention=both_ways))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = ImageOnlyProcessor(
+        Gemma4AudioFeatureExtractor(), AutoImageProcessor.from_pretrained(path, backend="pil"), tokenizer, None
+    )
+    images = _images(seed=5)
+    parts = [
+        {"type": "text", "text": "The mill"},
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+    ]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    seq, want_lp = inputs["input_ids"][0].tolist(), []
+    with torch.inference_mode():
+        for _ in range(6):
+            ids = torch.tensor([seq])
+            types = (ids == hf.config.image_token_id).long()
+            pixels = dict(pixel_values=inputs["pixel_values"], image_position_ids=inputs["image_position_ids"])
+            logits = hf(input_ids=ids, mm_token_type_ids=types, **pixels).logits[0, -1]
+            seq.append(int(logits.argmax()))
+            want_lp.append(float(logits.log_softmax(-1)[seq[-1]]))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    content = [{"type": "text", "text": "The mill"}, {"type": "image", "image": images[0]},
+               {"type": "text", "text": "and"}, {"type": "image", "image": images[1]}]  # fmt: skip
+    runs = []
+    for causal in (False, True):
+        with LLM(str(path), device="cpu", dtype="float32", max_model_len=512) as llm:
+            assert llm.engine.vision is not None
+            if causal:
+                llm.engine.runner.images.whole = None
+            (out,) = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
+        runs.append((out.token_ids, [lp[t] for t, lp in zip(out.token_ids, out.outputs[0].logprobs)]))
+        assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert runs[0][0] == seq[-6:] and np.allclose(runs[0][1], want_lp, atol=1e-4, rtol=0)
+    causal_equal = runs[1][0] == seq[-6:] and np.allclose(runs[1][1], want_lp, atol=1e-4, rtol=0)
+    assert causal_equal == (both_ways is None)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_gemma4s_images_as_one_does(tmp_path):
+    # The worker reads which layers see images whole from its Setup ("sliding": Gemma 4's windowed ones): tokens and
+    # log-probabilities equal to one rank's (which equal transformers', above), through chunks, a preemption, a hit.
+    from helpers import outputs_at_one_and_two_ranks
+
+    from nanostream import SamplingParams
 
     path = make_tiny_model(tmp_path, **dict(TINY_PRESETS["gemma4_vl"], use_bidirectional_attention="vision"))
-    image = Image.fromarray((np.random.default_rng(0).random((32, 40, 3)) * 255).astype(np.uint8))
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with LLM(str(path), device="cpu", dtype="float32") as llm:
-        assert llm.engine.vision is None and llm.engine.runner.images is None
-        content = [{"type": "text", "text": "What is it?"}, {"type": "image", "image": image}]
-        with pytest.raises(InvalidRequestError, match="takes no images"):
-            llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)
-        (text,) = llm.chat([{"role": "user", "content": "What is it?"}], params, use_tqdm=False)
-    # its text as transformers' model runs it, the config's "vision" both-ways attention touching no text token
-    hf = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([text.prompt_token_ids]), max_new_tokens=4, do_sample=False)
-    assert text.token_ids == out[0, len(text.prompt_token_ids) :].tolist()
+    preparer = ImagePreparer.from_pretrained(path)
+    first, second = _images(seed=7)
+    prompts = []
+    for parts in ([6, first, 9], [6, first, 9, second, 4], [3, second, 7, first, 5]):
+        ids = []
+        for part in parts:
+            ids += list(range(20, 20 + part)) if isinstance(part, int) else [preparer.image_token_id]
+        images = [p for p in parts if not isinstance(p, int)]
+        prompts.append({"prompt": ids, "multi_modal_data": {"image": images}})
+    options = dict(device="cpu", dtype="float32", kvcache_block_size=8, max_model_len=512, max_num_batched_tokens=80,
+                   max_num_seqs=3, num_kvcache_blocks=24)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+    one, two = outputs_at_one_and_two_ranks(path, prompts, params, **options)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    for a, b in zip(one, two, strict=True):
+        lp_one = [lp[t] for t, lp in zip(a.token_ids, a.outputs[0].logprobs)]
+        lp_two = [lp[t] for t, lp in zip(b.token_ids, b.outputs[0].logprobs)]
+        assert np.allclose(lp_one, lp_two, atol=1e-5, rtol=0)

@@ -1,6 +1,8 @@
 """Queries that see past their own position: an image's tokens attending to each other both ways (Gemma 3's), in
 the Triton prefill kernel (under the interpreter on a CPU) and the torch backend, against a float64 reference."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,12 @@ def test_query_limits_give_each_image_row_its_images_last_position():
     inputs = StepInputs(torch.zeros(9, dtype=torch.int64), torch.zeros(9), meta, [])
     chunks = [SimpleNamespace(start=40, num_new_tokens=1), SimpleNamespace(start=10, num_new_tokens=8)]
     # the second chunk: the rest of an image (rows 0-1, positions 10-11), text, then an image at rows 4-6
-    out = with_query_limits(chunks, [[], [0, 1, 4, 5, 6]], inputs, None)
+    out = with_query_limits(chunks, [[], [0, 1, 4, 5, 6]], inputs, None, "all")
     assert out.meta.q_last.tolist() == [40, 11, 11, 12, 13, 16, 16, 16, 17]
-    assert with_query_limits(chunks, [[], []], inputs, None) is inputs  # no image rows: causal
+    assert out.meta.limits(None) is out.meta.limits(8) is out.meta.q_last
+    assert with_query_limits(chunks, [[], []], inputs, None, "all") is inputs  # no image rows: causal
+    # Gemma 4's: only the windowed layers see images whole, the full ones attend causally
+    meta = dataclasses.replace(meta, kv_groups=(dataclasses.replace(meta),))
+    out = with_query_limits(chunks, [[], [0, 1]], inputs._replace(meta=meta), None, "sliding")
+    for m in (out.meta, out.meta.kv_groups[0]):
+        assert m.limits(None) is None and m.limits(8).tolist()[1:3] == [11, 11]

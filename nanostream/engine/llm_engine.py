@@ -35,7 +35,7 @@ from nanostream.models.loader import resolve_model_path
 from nanostream.models.model_config import read_model_config
 from nanostream.models.pooling import read_pooling
 from nanostream.models.quantization import weights_dtype
-from nanostream.models.vision.tower import engine_tower
+from nanostream.models.vision.tower import vision_tower
 from nanostream.protocol import EngineStats, RequestDelta
 from nanostream.sampling_params import SamplingParams
 
@@ -70,7 +70,7 @@ class LLMEngine:
             cuda_available=torch.cuda.is_available(),
         )
         spec = decoder_spec(model.hf_config, max_model_len=config.max_model_len)
-        self.vision, self.mrope = engine_tower(model), spec.rope.mrope_section is not None
+        self.vision, self.mrope = vision_tower(model), spec.rope.mrope_section is not None
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(config, spec, self.model_path, vision=self.vision)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nanostream.kernels.fp8_kv import check_kv_scales, dequantize_kv, quantize_kv
+from nanostream.layers.attention_masks import check_window, visible
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +39,17 @@ class AttentionMetadata:
     cu_seqlens_q_host: list[int]  # host copies, for backends that loop in Python
     seq_lens_host: list[int]
     q_last: torch.Tensor | None = None
-    """[T] int32: each query's last visible key, where some see past their own (Gemma 3's image tokens see their
-    whole image: images_attend_within, engine/images.py); None: causal."""
+    """[T] int32: each query's last visible key, where some see past their own (an image's tokens see the whole image:
+    ``limits``); None: causal. ``q_last_windowed``: in windowed layers only (Gemma 4's), the others causal."""
+    q_last_windowed: bool = False
     kv_groups: tuple[AttentionMetadata, ...] = ()
     """A model whose layers give KV blocks back by different rules has a block table per KV group
     (engine/block_manager.py): groups 1, 2, ...'s metadata, each with its own ``slot_mapping`` and ``block_tables``
     and this one's other fields. This one is group 0's."""
+
+    def limits(self, window: int | None) -> torch.Tensor | None:
+        """``q_last`` for a layer of ``window`` (None: full attention), or None where it attends causally."""
+        return None if self.q_last_windowed and window is None else self.q_last
 
     def group(self, g: int) -> AttentionMetadata:
         """The metadata of KV group ``g`` (a layer's ``KVCache.group``)."""
@@ -87,6 +93,7 @@ class AttentionMetadata:
             cu_seqlens_q_host=[c - n for c in self.cu_seqlens_q_host[n:]],
             seq_lens_host=self.seq_lens_host[n:],
             q_last=None if self.q_last is None else self.q_last[n:],  # decode rows see up to their own position
+            q_last_windowed=self.q_last_windowed,
         )
         return decode, rest
 
@@ -123,14 +130,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # fmt: skip
         """q: [T, Hq, D], k and v: [T, Hkv, D] (new tokens). Stores k/v in ``cache``; returns [T, Hq, D].
 
-        ``window``: sliding-window attention, transformers' ``sliding_window``: a query at position p sees
-        the keys at positions p - window < k <= p (``window`` of them, its own included); None: all up to p.
-        ``chunk``: chunked local attention, transformers' ``attention_chunk_size``: a query at position p sees
-        the keys of its chunk, p - p % chunk <= k <= p; None: no chunks.
-        ``sinks``: [Hq] float32, gpt-oss's attention sinks: one logit per query head that joins each
-        query's softmax denominator and carries no value, out = sum_k e^s_k v_k / (sum_k e^s_k + e^sink).
-        ``k_scale``, ``v_scale``: [1] float32, given with an FP8 pool and only then: K/V are stored as
-        ``quantize_kv(k, k_scale)`` and read as ``dequantize_kv``. All are the layer's, fixed for its life::
+        ``window``: sliding-window attention, transformers' ``sliding_window``: a query at position p sees the keys at
+        positions p - window < k <= p (``window`` of them, its own included); None: all up to p. ``chunk``: chunked
+        local attention, transformers' ``attention_chunk_size``: a query at position p sees the keys of its chunk,
+        p - p % chunk <= k <= p; None: no chunks. ``sinks``: [Hq] float32, gpt-oss's attention sinks: one logit per
+        query head that joins each query's softmax denominator and carries no value, out = sum_k e^s_k v_k /
+        (sum_k e^s_k + e^sink). ``k_scale``, ``v_scale``: [1] float32, given with an FP8 pool and only then: K/V are
+        stored as ``quantize_kv(k, k_scale)`` and read as ``dequantize_kv``. All are the layer's, fixed for its life::
 
             out = backend.forward(q, k, v, cache, meta, head_dim**-0.5, window=128, sinks=layer.sinks)
         """
@@ -143,26 +149,6 @@ class AttentionBackend(ABC):
         """``forward`` for new tokens whose K/V are already in ``cache`` (a prologue stored them, or another layer whose
         pages these are: ``SharedKV``)."""
         raise NotImplementedError(f"the {self.name} backend stores K/V itself: call forward")
-
-
-def check_window(window: int | None, chunk: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``window`` and ``chunk`` are None or a positive number of tokens."""
-    for name, value in (("window", window), ("chunk", chunk)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}")
-
-
-def visible(
-    k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, chunk: int | None, last: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The keys at ``k_pos`` that the queries at ``q_pos`` see (broadcast): causal (up to ``last`` where given:
-    ``AttentionMetadata.q_last``), in the window, in the chunk."""
-    mask = k_pos <= (q_pos if last is None else last)
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    if chunk is not None:
-        mask &= k_pos >= q_pos - q_pos % chunk
-    return mask
 
 
 ALIGNED = 32
@@ -217,7 +203,7 @@ class TorchAttention(AttentionBackend):
             # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own (or q_last's).
             q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
             k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            last = None if meta.q_last is None else meta.q_last[start:end, None]
+            last = None if meta.limits(window) is None else meta.q_last[start:end, None]
             mask = visible(k_pos, q_pos, window, chunk, last)
             out[start:end] = self._attention(qi, ki, vi, mask, scale, sinks)[0].transpose(0, 1)
         return out

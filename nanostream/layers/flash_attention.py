@@ -227,7 +227,7 @@ class FlashAttention(AttentionBackend):
             if reason is not None:
                 raise ValueError(f"attention backend 'flash_attn' cannot run: {reason}")
             self.version, self._kernel = version, _KERNELS[version]()
-        if chunk is not None or meta.q_last is not None:  # chunked local attention, or queries that see past
+        if chunk is not None or meta.limits(window) is not None:  # chunked local attention, or queries that see past
             # themselves (an image's tokens, Gemma 3's): FA2 and FA4's paged kernels take neither, ours do
             return self._triton.attend(q, cache, meta, scale, window=window, chunk=chunk, sinks=sinks)
         if sinks is not None and not (self.version == 4 and q.dtype == torch.bfloat16):

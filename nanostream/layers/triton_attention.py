@@ -75,7 +75,7 @@ class TritonAttention(AttentionBackend):
         if not meta.num_decodes:
             return self._prefill(
                 q, cache.k, cache.v, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.max_seqlen_q, scale,
-                q_last=meta.q_last, **extra, **self._prefill_options,
+                q_last=meta.limits(window), **extra, **self._prefill_options,
             )  # fmt: skip
         # A mixed step: the decode rows through the decode kernel, the prompt chunks through the prefill one.
         decode, rest = meta.decode_split
@@ -86,6 +86,6 @@ class TritonAttention(AttentionBackend):
         )  # fmt: skip
         self._prefill(
             q[n:], cache.k, cache.v, rest.cu_seqlens_q, rest.seq_lens, rest.block_tables, rest.max_seqlen_q, scale,
-            out[n:], q_last=rest.q_last, **extra, **self._prefill_options,
+            out[n:], q_last=rest.limits(window), **extra, **self._prefill_options,
         )  # fmt: skip
         return out

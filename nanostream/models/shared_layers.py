@@ -43,7 +43,8 @@ def shared_layer_fields(hf_config: Any, name: str, arch: Architecture) -> dict[s
         out["values_from_keys"] = tuple(k_eq_v and t == "full_attention" for t in types)
     if arch.per_layer_inputs and getattr(hf_config, "hidden_size_per_layer_input", None):
         size = positive_int(hf_config, "hidden_size_per_layer_input", name)
-        out["per_layer_input"] = (positive_int(hf_config, "vocab_size_per_layer_input", name), size)
+        pad = int(getattr(hf_config, "pad_token_id", None) or 0)  # an image token's per-layer input is the pad's
+        out["per_layer_input"] = (positive_int(hf_config, "vocab_size_per_layer_input", name), size, pad)
     out["layer_scalar"] = arch.layer_scalar
     if arch.unit_attention_scale:
         out["attention_scale"] = 1.0

@@ -102,8 +102,9 @@ class DecoderSpec:
     values_from_keys: tuple[bool, ...] = ()  # the layers whose V is their k projection (attention_k_eq_v)
     value_norm: bool = False  # V is RMS-normed without a weight before it is stored (Gemma 4's v_norm)
     layer_intermediate: tuple[int, ...] = ()  # each layer's dense MLP size where they differ (Gemma 4's double-wide)
-    per_layer_input: tuple[int, int] | None = None
-    """Gemma 4's per-layer input embeddings: (their vocabulary, their size a layer); None: none."""
+    per_layer_input: tuple[int, int, int] | None = None
+    """Gemma 4's per-layer input embeddings: (their vocabulary, their size a layer, the pad token id an image token's
+    takes); None: none."""
     layer_scalar: bool = False  # each layer's output times a learned scalar (Gemma 4)
     """Prefixes of checkpoint tensors nanostream does not run (multi-token prediction's ``mtp.``, a vision tower):
     not loaded, one log line each."""

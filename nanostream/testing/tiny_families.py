@@ -91,8 +91,10 @@ FAMILY_PRESETS: dict[str, dict] = {
     "lfm2": dict(architecture="Lfm2ForCausalLM", seed=41),  # tied, as published
     "gemma4": dict(architecture="Gemma4ForCausalLM", seed=42),  # tied, as published
     # untied: a tied tiny Gemma repeats its last token whatever it sees (tiny_vision.py's gemma3_vl). Its images'
-    # tokens attend causally (use_bidirectional_attention unset, as the small Gemma 4s): config_reader refuses "vision"
-    "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43, tie_word_embeddings=False),
+    # tokens attend causally (use_bidirectional_attention unset, as the small Gemma 4s; "vision" in the tests that
+    # ask for it); its per-layer inputs cover every token id (the image tokens' too), as the published ones do
+    "gemma4_vl": dict(architecture="Gemma4ForConditionalGeneration", seed=43, tie_word_embeddings=False,
+                      vocab_size_per_layer_input=520),
     # Gemma 4's MoE block (enable_moe_block): the top 2 of 8 GeGLU experts beside every layer's dense MLP
     "gemma4_moe": dict(
         architecture="Gemma4ForCausalLM", seed=44, enable_moe_block=True, num_experts=8, top_k_experts=2,

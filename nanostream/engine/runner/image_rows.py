@@ -35,8 +35,10 @@ from nanostream.models.vision.tower import VisionTower
 class ImageRows:
     """The encoder of one runner and its cache of image rows (see the module docstring)."""
 
-    def __init__(self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int, whole: bool = False) -> None:
-        self.encoder, self.whole = encoder, whole  # whole: the images' tokens attend to each other both ways
+    def __init__(
+        self, encoder: torch.nn.Module, *, budget_rows: int, max_patches: int, whole: str | None = None
+    ) -> None:
+        self.encoder, self.whole = encoder, whole  # which layers see each image whole (VisionTower.both_ways)
         self.budget_rows, self.max_patches = budget_rows, max_patches
         # image key -> its rows [tokens, hidden] and DeepStack features (one such a level; Qwen3-VL's)
         self.cache: OrderedDict[bytes, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
@@ -48,7 +50,7 @@ class ImageRows:
         """The tower's encoder on ``device``; its cache holds a step's worth of rows (max_num_batched_tokens)."""
         encoder = tower.build(path, dtype=dtype, device=device, load_format=config.load_format)
         budget = config.max_num_batched_tokens
-        return cls(encoder, budget_rows=budget, max_patches=4 * budget, whole=tower.bidirectional)
+        return cls(encoder, budget_rows=budget, max_patches=4 * budget, whole=tower.both_ways)
 
     @torch.inference_mode()
     def encode_largest(self, device: torch.device) -> None:
@@ -77,8 +79,8 @@ class ImageRows:
         if embeds is not None and tp.size > 1:  # the workers, which hold no encoder, take them from here
             for rows in (embeds.rows, *embeds.deepstack):
                 tp.broadcast(rows.contiguous())
-        if self.whole:
-            inputs = with_query_limits(chunks, [chunk_image_rows(c) for c in chunks], inputs, uploads)
+        if self.whole is not None:
+            inputs = with_query_limits(chunks, [chunk_image_rows(c) for c in chunks], inputs, uploads, self.whole)
         return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)
 
     def _embeds(self, chunks: list[Chunk], device: torch.device, uploads: Uploads | None) -> PlaceholderEmbeds | None:
@@ -188,12 +190,12 @@ def received_inputs(
     chunks: list,
     inputs: StepInputs,
     tp: TensorParallel,
-    width: tuple[int, torch.dtype, int, bool],
+    width: tuple[int, torch.dtype, int, str | None],
     uploads: Uploads | None,
 ) -> StepInputs:
     """A worker's ``step_inputs``: rank 0's positions and image rows from the step's message (each chunk's ``rope``
     and ``image_rows``) and its broadcast. ``width``: (hidden size, dtype, DeepStack levels that follow the rows,
-    whether the images' tokens attend to each other both ways)."""
+    ``VisionTower.both_ways``)."""
     hidden, dtype, levels, whole = width
     device = inputs.input_ids.device
     positions = step_positions(chunks, [c.rope for c in chunks], device, uploads)
@@ -204,15 +206,18 @@ def received_inputs(
         shape = (len(index), hidden)
         rows = [tp.broadcast(torch.empty(shape, dtype=dtype, device=device)) for _ in range(1 + levels)]
         embeds = PlaceholderEmbeds(to_device(index, torch.int64, device, uploads), rows[0], tuple(rows[1:]))
-    if whole:
-        inputs = with_query_limits(chunks, [c.image_rows for c in chunks], inputs, uploads)
+    if whole is not None:
+        inputs = with_query_limits(chunks, [c.image_rows for c in chunks], inputs, uploads, whole)
     return inputs._replace(positions=positions if positions is not None else inputs.positions, embeds=embeds)
 
 
-def with_query_limits(chunks: list, image_rows: list[list[int]], inputs: StepInputs, uploads: Uploads | None):
-    """``inputs`` whose attention lets each image token see its whole image (``AttentionMetadata.q_last``), from
-    each chunk's image rows: a run of consecutive ones is an image (or its rest, after a prefix hit), which the
-    chunk holds to its end (``PromptImages.chunk_end``); every other row sees up to itself. Unchanged without images."""
+def with_query_limits(
+    chunks: list, image_rows: list[list[int]], inputs: StepInputs, uploads: Uploads | None, both_ways: str
+) -> StepInputs:
+    """``inputs`` whose attention lets each image token see its whole image (``AttentionMetadata.q_last``) in the
+    layers ``both_ways`` says (``VisionTower.both_ways``), from each chunk's image rows: a run of consecutive ones is
+    an image (or its rest, after a prefix hit), which the chunk holds to its end (``PromptImages.chunk_end``); every
+    other row sees up to itself. Unchanged without images."""
     if not any(image_rows):
         return inputs
     last: list[int] = []
@@ -223,6 +228,7 @@ def with_query_limits(chunks: list, image_rows: list[list[int]], inputs: StepInp
                 ends[rows[i]] = ends[rows[i + 1]]
         last += ends
     q_last = to_device(last, torch.int32, inputs.input_ids.device, uploads)
+    limits = dict(q_last=q_last, q_last_windowed=both_ways == "sliding")
     meta = inputs.meta
-    groups = tuple(dataclasses.replace(g, q_last=q_last) for g in meta.kv_groups)
-    return inputs._replace(meta=dataclasses.replace(meta, q_last=q_last, kv_groups=groups))
+    groups = tuple(dataclasses.replace(g, **limits) for g in meta.kv_groups)
+    return inputs._replace(meta=dataclasses.replace(meta, kv_groups=groups, **limits))

@@ -31,7 +31,7 @@ class Setup(msgspec.Struct, array_like=True):
     config: EngineConfig
     spec: DecoderSpec
     image_levels: int | None = None  # a model that takes images: the DeepStack levels that follow each step's rows
-    images_whole: bool = False  # its image tokens attend to each other both ways (Gemma 3's): image_rows.py
+    images_both_ways: str | None = None  # where its image tokens see their whole image (VisionTower.both_ways)
 
 
 class ChunkUpdate(msgspec.Struct, array_like=True):

@@ -67,7 +67,7 @@ def _serve(rendezvous: Rendezvous, store: dist.Store) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rendezvous.world_size))
     store.set(joined_key(rank), str(os.getpid()))
     tp = TensorParallel.connect(store, rank, rendezvous.world_size, rendezvous.local_rank, device)
-    images = None if setup.image_levels is None else (setup.image_levels, setup.images_whole)
+    images = None if setup.image_levels is None else (setup.image_levels, setup.images_both_ways)
     runner = ModelRunner(config, setup.spec, resolve_model_path(config.model), tp=tp, image_levels=images)
     warn_on_late_compiles()
     log.info("tensor-parallel worker rank %d of %d ready on %s", rank, tp.size, device)

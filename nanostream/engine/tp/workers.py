@@ -105,7 +105,7 @@ class WorkerGroup:
         # The workers die with this object (or when the interpreter exits) at the latest.
         self._finalizer = weakref.finalize(self, _kill, self._processes, self.watch)
         levels = None if vision is None else len(vision.deepstack_levels)  # (a model that takes images: its tower's)
-        store.set("setup", encode(Setup(config, spec, levels, vision is not None and vision.bidirectional)))
+        store.set("setup", encode(Setup(config, spec, levels, None if vision is None else vision.both_ways)))
         self.watch.start()
         try:
             for r in range(1, size) if local else ():

@@ -65,6 +65,12 @@ class VisionTower:
     bidirectional_layers: str = "all"
 
     @property
+    def both_ways(self) -> str | None:
+        """Which layers of the language model see each image whole: "all" (Gemma 3), "sliding" (Gemma 4's windowed
+        layers); None: none, its tokens attend causally (Qwen)."""
+        return self.bidirectional_layers if self.bidirectional else None
+
+    @property
     def merge(self) -> int:
         return self.spec.spatial_merge_size
 
@@ -100,14 +106,3 @@ def vision_tower(model: Any) -> VisionTower | None:
     if model.architecture in GEMMA_TOWERS:
         return VisionTower(SiglipSpec.from_config(config), int(image_token_id), bidirectional=True)
     return VisionTower(vision_spec(vision), int(image_token_id))
-
-
-def engine_tower(model: Any) -> VisionTower | None:
-    """``vision_tower(model)`` where the engine runs its images. Gemma 4's tower runs, but its language model's
-    attention among an image's tokens (both ways on the sliding layers) does not yet: its images are refused, as a
-    text model's are, and its text runs."""
-    tower = vision_tower(model)
-    if tower is not None and tower.bidirectional_layers != "all":
-        log.info("%s: images are not taken yet (its text is); send it text only", model.architecture)
-        return None
-    return tower
