@@ -152,7 +152,8 @@ def test_gpt_oss_streams_through_serve_and_the_openai_client_as_transformers_gen
 
 def test_a_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
     # Gemma 3 from 4B up is published as Gemma3ForConditionalGeneration: its language model runs, text in and
-    # text out, as transformers' whole model generates from text alone; the vision tower is not loaded.
+    # text out, as transformers' whole model generates from text alone (its images: tests/test_gemma3_images.py); a
+    # SigLIP pooling head (vision_use_head, this config's default) is in the checkpoint and not used
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
 
     from nanostream.testing import build_tokenizer

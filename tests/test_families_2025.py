@@ -199,7 +199,7 @@ def test_the_gemma4_preset_reads_as_its_config(load_app, tmp_path):
     full = [i for i in range(30) if i % 6 == 5]
     assert [spec.kv_shape(i) for i in (0, 5)] == [(4, 256), (4, 512)] and spec.window(0) == 512
     assert spec.kv_sources == (None,) * 20 + tuple(17 if i in full else 19 for i in range(20, 30))
-    assert spec.layer_intermediate == (9216,) * 20 + (18432,) * 10 and spec.per_layer_input == (262144, 256)
+    assert spec.layer_intermediate == (9216,) * 20 + (18432,) * 10 and spec.per_layer_input == (262144, 256, 0)
     assert spec.rope.scaling.rotated_pairs == 64 and spec.sliding_rope.scaling is None
     assert spec.attention_scale == 1.0 and spec.final_logit_softcap == 30.0
 

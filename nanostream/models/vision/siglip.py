@@ -100,11 +100,6 @@ class SiglipSpec:
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act not in VISION_ACTIVATIONS:
             raise ModelLoadError(f"vision hidden_act {act!r} is not supported; use one of {sorted(VISION_ACTIVATIONS)}")
-        if vision.get("vision_use_head"):
-            raise ModelLoadError(
-                "vision_use_head is true, but Gemma 3's image features take no pooling head (its published configs "
-                "set it false); set vision_config.vision_use_head to false"
-            )
         eps = float(vision.get("layer_norm_eps", 1e-6))
         return cls(
             **{f: vision[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")},
@@ -223,6 +218,7 @@ class GemmaProjector(nn.Module):
 class SiglipEncoder(nn.Module):
     """Gemma 3's vision tower and projector; see the module docstring. Takes a batch of images of its one grid."""
 
+    unused = ("vision_model.head.",)  # SigLIP's pooling head (``vision_use_head``): Gemma 3's features skip it
     checkpoint_prefixes = {
         "vision_model.": (
             "vision_tower.vision_model.",  # published

@@ -59,6 +59,8 @@ def load_vision_weights(
         with safe_open(str(shard), framework="pt") as f:
             for key, prefix in ((k, p) for k, s in keys.items() if s == shard for p in chosen if k.startswith(p)):
                 name = chosen[prefix] + key[len(prefix) :]
+                if name.startswith(getattr(encoder, "unused", ())):  # a part the image features do not use
+                    continue
                 if name not in params:
                     raise ModelLoadError(f"checkpoint tensor {key} has no place in the vision encoder")
                 tensor, param = f.get_tensor(key), params[name]
