@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_siglip import MESSAGES
 from transformers import (
     AutoImageProcessor,
     AutoTokenizer,
@@ -101,12 +102,7 @@ def test_preparer_equals_gemma4_processor(checkpoint, content):
     processor = ImageOnlyProcessor(
         Gemma4AudioFeatureExtractor(), image_processor, AutoTokenizer.from_pretrained(checkpoint), None
     )
-    parts = {
-        "one": [{"type": "image"}, {"type": "text", "text": "The river."}],
-        "two": [{"type": "text", "text": "The mill\n"}, {"type": "image"}, {"type": "text", "text": "and"},
-                {"type": "image"}],
-        "adjacent": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Seven boats."}],
-    }[content]  # fmt: skip
+    parts = MESSAGES[content]
     text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
     images = _images(seed=len(content))[: sum(p["type"] == "image" for p in parts)]
     want = processor(text=text, images=images, return_tensors="pt")

@@ -73,18 +73,21 @@ def test_grids_other_than_the_towers_are_refused(checkpoint):
     assert "positive multiples of 2" in qwen.grid_error((0, 4, 4))
 
 
+MESSAGES = {  # a user message's parts: one image, two among text, two adjacent (test_gemma4_vision.py's too)
+    "one": [{"type": "image"}, {"type": "text", "text": "The river."}],
+    "two": [{"type": "text", "text": "The mill\n"}, {"type": "image"}, {"type": "text", "text": "and"},
+            {"type": "image"}],
+    "adjacent": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Seven boats."}],
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("content", ["one", "two", "adjacent"])
 def test_preparer_equals_gemma3_processor(checkpoint, content):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     processor = Gemma3Processor(
         AutoImageProcessor.from_pretrained(checkpoint, backend="pil"), tokenizer, image_seq_length=4
     )
-    parts = {
-        "one": [{"type": "image"}, {"type": "text", "text": "The river."}],
-        "two": [{"type": "text", "text": "The mill\n"}, {"type": "image"}, {"type": "text", "text": "and"},
-                {"type": "image"}],
-        "adjacent": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Seven boats."}],
-    }[content]  # fmt: skip
+    parts = MESSAGES[content]
     text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
     images = _images(seed=len(content))[: sum(p["type"] == "image" for p in parts)]
     want = processor(text=text, images=images, return_tensors="pt")
