@@ -122,6 +122,32 @@ def test_preparer_equals_gemma4_processor(checkpoint, content):
         assert np.array_equal(image.pixels, want["pixel_values"][k][valid].numpy())
 
 
+def test_an_image_processor_saved_the_transformers_5_way_is_read(checkpoint, tmp_path):
+    # A checkpoint saved by transformers 5's Gemma4Processor keeps its image processor as processor_config.json's
+    # "image_processor" entry and has no preprocessor_config.json: its images are prepared as before, by the
+    # engine's LLM and by a client from the files the engine's welcome carries.
+    import json
+    import shutil
+
+    from nanostream.client.tokenizer_cache import load_image_preparer, load_tokenizer
+    from nanostream.engine.process.server import files_digest, tokenizer_files
+
+    path = shutil.copytree(checkpoint, tmp_path / "saved")
+    nested = {"image_processor": json.loads((path / "preprocessor_config.json").read_text()), "image_seq_length": 70}
+    (path / "processor_config.json").write_text(json.dumps(nested))
+    (path / "preprocessor_config.json").unlink()
+    image = _images(seed=3)[0]
+    want = ImagePreparer.from_pretrained(checkpoint).prepare(image)
+    files, _ = tokenizer_files(path, path)
+    digest = files_digest(files)
+    load_tokenizer(digest, files)
+    for preparer in (ImagePreparer.from_pretrained(path), load_image_preparer(digest)[0]):
+        got = preparer.prepare(image)
+        assert got.grid == want.grid and np.array_equal(got.pixels, want.pixels)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 70}))  # a processor without images
+    assert ImagePreparer.from_pretrained(path) is None
+
+
 def test_placeholders_unlike_the_images_are_refused(checkpoint):
     preparer = ImagePreparer.from_pretrained(checkpoint)
     image = preparer.prepare(_images(0)[0])

@@ -40,9 +40,10 @@ def load_tokenizer(digest: str, files: dict[str, bytes]) -> Any:
 def load_image_preparer(digest: str) -> tuple[Any, str]:
     """The engine's image preparer, from the files its welcome carried (a vision-language model's processor and
     config beside the tokenizer's), and what a request with images is told where there is none."""
+    from nanostream.multimodal.processor import has_image_processor
     from nanostream.multimodal.request import NO_IMAGES, load_preparer
 
     path = _CACHE / digest
-    if not (path / "preprocessor_config.json").is_file():
+    if not has_image_processor(path):
         return None, NO_IMAGES
     return load_preparer(path)

@@ -1,6 +1,7 @@
 """An image as the engine takes it: the checkpoint's own transformers image processor, run on one image.
 
-``ImagePreparer.from_pretrained(model_dir)`` reads the checkpoint's ``preprocessor_config.json`` with
+``ImagePreparer.from_pretrained(model_dir)`` reads the checkpoint's image processor (``preprocessor_config.json``,
+or the ``image_processor`` entry of ``processor_config.json`` as transformers 5 saves it) with
 ``AutoImageProcessor`` (its PIL backend; nothing here resizes or normalises by itself)::
 
     preparer = ImagePreparer.from_pretrained("/models/Qwen3.5-9B")     # None for a text-only checkpoint
@@ -15,6 +16,7 @@ and Gemma 4 (``Gemma4ImagePreparer``, multimodal/gemma4_images.py: sizes kept in
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,20 @@ from nanostream.errors import ModelLoadError
 from nanostream.multimodal.policy import ImageError
 
 PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json")
+"""Where a checkpoint keeps its image processor: the first file alone, or an ``image_processor`` entry of the
+second (transformers 5's ``ProcessorMixin.save_pretrained`` writes only that one); AutoImageProcessor reads both."""
+
+
+def has_image_processor(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory holds an image processor in either of ``PROCESSOR_FILES``."""
+    path = Path(path)
+    if (path / PROCESSOR_FILE).is_file():
+        return True
+    try:
+        return "image_processor" in json.loads((path / PROCESSOR_FILES[1]).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,15 +68,15 @@ class ImagePreparer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> ImagePreparer | None:
-        """The checkpoint's preparer, or None when it takes no images (no vision config or no
-        ``preprocessor_config.json``). A vision checkpoint of another family raises ``ModelLoadError``:
+        """The checkpoint's preparer, or None when it takes no images (no vision config or no image processor
+        in ``PROCESSOR_FILES``). A vision checkpoint of another family raises ``ModelLoadError``:
         a caller that serves its text anyway catches it and keeps the message for requests with images."""
         from transformers import AutoConfig, AutoImageProcessor  # transformers is slow to import
 
         path = Path(model_dir)
         config = AutoConfig.from_pretrained(path)
         vision = getattr(config, "vision_config", None)
-        if vision is None or not (path / PROCESSOR_FILE).is_file():
+        if vision is None or not has_image_processor(path):
             return None
         architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         processor = AutoImageProcessor.from_pretrained(path, backend="pil")  # torchvision is optional

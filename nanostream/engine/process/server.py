@@ -53,11 +53,15 @@ def tokenizer_files(path: Path, images: Path | None = None) -> tuple[dict[str, b
     vision-language model whose image processor and config go with them (the client prepares the images)."""
     from transformers import AutoTokenizer
 
+    from nanostream.multimodal.processor import PROCESSOR_FILES
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         files = {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
-    files |= {n: (images / n).read_bytes() for n in ("config.json", "preprocessor_config.json") if images is not None}
+    if images is not None:
+        names = ("config.json", *PROCESSOR_FILES)
+        files |= {n: (images / n).read_bytes() for n in names if (images / n).is_file()}
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     return files, template
 
