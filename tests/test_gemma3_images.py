@@ -188,7 +188,7 @@ def test_two_ranks_let_an_images_tokens_see_each_other_as_one_rank_does(gemma):
     for a, b in zip(one, two):
         lp_one = [lp[t] for t, lp in zip(a.token_ids, a.outputs[0].logprobs)]
         lp_two = [lp[t] for t, lp in zip(b.token_ids, b.outputs[0].logprobs)]
-        assert np.allclose(lp_one, lp_two, atol=1e-5, rtol=0)
+        assert np.allclose(lp_one, lp_two, atol=1e-4, rtol=0)  # two ranks sum in another order: ~1e-5 apart
 
 
 @pytest.mark.gpu

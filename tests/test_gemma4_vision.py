@@ -237,4 +237,4 @@ def test_two_ranks_take_gemma4s_images_as_one_does(tmp_path):
     for a, b in zip(one, two, strict=True):
         lp_one = [lp[t] for t, lp in zip(a.token_ids, a.outputs[0].logprobs)]
         lp_two = [lp[t] for t, lp in zip(b.token_ids, b.outputs[0].logprobs)]
-        assert np.allclose(lp_one, lp_two, atol=1e-5, rtol=0)
+        assert np.allclose(lp_one, lp_two, atol=1e-4, rtol=0)  # two ranks sum in another order: ~1e-5 apart
