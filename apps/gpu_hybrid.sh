@@ -11,11 +11,14 @@
 #   bash apps/gpu_hybrid.sh turns   # apps/bench_multiturn.py: TTFT of the fifth turn, caching on and off, 9B and 8B
 #   bash apps/gpu_hybrid.sh images  # issue 58: the image GPU tests (Qwen, Gemma 3, the kernel), then apps/bench_images.py on the
 #                                   #   Qwen3.5-9B VL shape (dummy weights): 256 requests with a 448 x 448 image vs without
+#   bash apps/gpu_hybrid.sh families # issue 57: its gpu tests (Gemma 4, Scout, chunk kernels); the Gemma 4 shape on the
+#                                   #   bench workload and at batch 1; Llama 4 Scout (a quarter of its 48 layers on an H100,
+#                                   #   whole on an H200) likewise, and at 8 x 32k tokens with its chunked layers, then full
 #   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
 #                                   #   bench workload and batch 1, the pool's size
 # Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
 set -uo pipefail
-stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|images|mla}
+stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|images|families|mla}
 site=/tmp/nanostream-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . >/dev/null 2>&1
@@ -26,6 +29,7 @@ python3 -c "import torch, transformers, triton, fla; print('torch', torch.__vers
 transformers.__version__, 'triton', triton.__version__, 'fla-core', fla.__version__)" | tee -a "$out/gpu.txt"
 h200=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -c H200)
 dummy=(--tiny-config '{"weights": false}' --load-format dummy)
+one=(--num-requests 1 --min-input-len 128 --max-input-len 128 --min-output-len 512 --max-output-len 512)
 # bench NAME PRESET [args]: one bench.py run, its summary lines kept
 bench() {
     local name=$1 preset=$2; shift 2
@@ -84,13 +88,28 @@ images)
         tests/test_gemma3_images.py tests/test_image_attention.py 2>&1 | tail -n 12
     timeout 330 python3 apps/bench_images.py --preset qwen3.5-9b-vl 2>&1 | grep -v "Loading weights" \
         | tee "$out/bench_images.log" | tail -n 8 ;;
+families)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_families_2025.py tests/test_kernels.py \
+        -k "gemma4 or scout or chunks" 2>&1 | tail -n 6
+    bench gemma-4-text gemma-4-text
+    bench gemma-4-text-b1 gemma-4-text "${one[@]}"
+    # Scout's shape: whole (~109 GB in FP8) on an H200; on an H100 its first 12 layers (three chunked to one global)
+    scout=$(python3 -c "import json, sys; n = 48 if sys.argv[1] == '1' else 12; print(json.dumps({'num_hidden_layers': n,
+'no_rope_layers': [int((i + 1) % 4 != 0) for i in range(n)],
+'layer_types': ['full_attention' if (i + 1) % 4 == 0 else 'chunked_attention' for i in range(n)]}))" "$h200")
+    full=$(python3 -c "import json, sys; c = json.loads(sys.argv[1]); c['layer_types'] = ['full_attention'] * len(c['layer_types'])
+print(json.dumps(c))" "$scout")
+    bench scout llama4-scout-fp8 --tiny-config "$scout"
+    bench scout-b1 llama4-scout-fp8 --tiny-config "$scout" "${one[@]}"
+    long=(--num-requests 8 --min-input-len 32768 --max-input-len 32768 --min-output-len 128 --max-output-len 128
+        --max-model-len 32896 --max-num-seqs 8)
+    bench scout-32k-chunked llama4-scout-fp8 --tiny-config "$scout" "${long[@]}"
+    bench scout-32k-full llama4-scout-fp8 --tiny-config "$full" "${long[@]}" ;;
 mla)
     timeout 200 python3 apps/mla_sweep.py 2>&1 | tee "$out/mla_sweep.log" | grep -v "^  fail" | tail -n 20
     bench moonlight moonlight-16b-a3b
-    bench moonlight-b1 moonlight-16b-a3b --num-requests 1 --min-input-len 128 --max-input-len 128 \
-        --min-output-len 512 --max-output-len 512
-    bench qwen3-8b-b1 qwen3-8b "${dummy[@]}" --num-requests 1 --min-input-len 128 --max-input-len 128 \
-        --min-output-len 512 --max-output-len 512 ;;
+    bench moonlight-b1 moonlight-16b-a3b "${one[@]}"
+    bench qwen3-8b-b1 qwen3-8b "${dummy[@]}" "${one[@]}" ;;
 *)
     echo "unknown stage $stage" >&2; exit 2 ;;
 esac
