@@ -10,7 +10,7 @@ Usage::
     python apps/bench_stream.py --model DIR --shapes 4x64 --runs 2 --http-workers 2,8 --http-only \\
         --stream-interval 4                          # HTTP only, with 2 then 8 frontend workers
     python apps/bench_stream.py --model DIR --shapes 4x64 --runs 3 --http-workers 8 --http-only \\
-        --http-api responses                         # the Responses API (or messages: Anthropic's)
+        --http-api completions,responses,messages    # each route in turn, all on the dialects' prompt ids
 
 What runs, in this order (the two never share the machine):
 
@@ -62,7 +62,17 @@ from itertools import pairwise
 from pathlib import Path
 
 from engine_readings import EngineRun, Reading, machine_jiffies, percentiles, process_cpu, process_tree
-from stream_clients import STARTUP_TIMEOUT, Target, Trace, client_process, free_port, openai_frontend, wait_healthy
+from stream_clients import (
+    APIS,
+    STARTUP_TIMEOUT,
+    Target,
+    Trace,
+    as_served,
+    client_process,
+    free_port,
+    openai_frontend,
+    wait_healthy,
+)
 from tables import format_table
 from workload import (
     Request,
@@ -141,9 +151,11 @@ def offline_worker(model: Path, rounds: list[list[Request]], warmup, engine_kwar
         tokens = sum(min(len(o.token_ids), r.max_tokens) for o, r in zip(outputs, workload))
         runs.append((elapsed, tokens, EngineRun.between(before, after, elapsed)))
         run = runs[-1][2]
+        prompts = sum(len(r.prompt_token_ids) for r in workload)
         print(
-            f"offline run {len(runs) - 1}: {tokens / elapsed:,.0f} out tok/s, {run.steps} steps, period "
-            f"{1e3 * run.period():.2f} ms, host {run.host_ms():.2f} + device wait {run.wait_ms():.2f} ms/step, "
+            f"offline run {len(runs) - 1}: {tokens / elapsed:,.0f} out tok/s, {prompts:,} prompt tokens, "
+            f"{run.steps} steps, period {1e3 * run.period():.2f} ms, host {run.host_ms():.2f} + device wait "
+            f"{run.wait_ms():.2f} ms/step, "
             f"first token: {run.first_token_split()}",
             flush=True,
         )
@@ -394,18 +406,21 @@ def openai_service(model: Path, args, engine_kwargs: dict):
         proc.wait(60)
 
 
-def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[list[Round]]]:
-    """The AsyncClient rounds of every shape, then the HTTP rounds per worker count; ``fresh(i)``:
-    workload number i."""
+def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[Round], list[tuple[int, str, list]]]:
+    """The AsyncClient rounds of every shape, then the HTTP rounds per worker count and route, as (workers, route,
+    rounds); ``fresh(i)``: workload number i."""
     if args.http_service:
         with openai_service(model, args, engine_kwargs) as (engine, base, fpids, workers):
             print(f"service: engine pid {engine.pid} at {engine.address}, {workers} frontend worker(s)")
-            rounds = [fresh(10_000 + r) for r in range(args.runs)]
-            target = Target(base_url=base, model=model.name, api=args.http_api, tokenizer=str(model))
-            http = [run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers)]
+            http = []
+            for j, api in enumerate(args.http_api):
+                target = Target(base_url=base, model=model.name, api=api, tokenizer=str(model))
+                rounds = [http_workload(args, model, api, fresh(10_000 + 10 * j + r)) for r in range(args.runs)]
+                http.append(
+                    (workers, api, run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers))
+                )
             if args.connections:  # (its own line, not a row of the table: it is not the offline workload)
                 run_connections(args, fresh, warmup, engine, target, fpids, workers)
-        args.http_workers = [workers]
         return [], http
     engine = EngineProcess(str(model), seed=args.seed, stream_interval=args.stream_interval, **engine_kwargs)
     if args.profile:  # the same `serve`, under cProfile: its main thread (the busy loop), its whole life
@@ -418,10 +433,21 @@ def run_streamed(args, model: Path, fresh, warmup, engine_kwargs) -> tuple[list[
             direct += run_shape(args, shape, rounds, warmup, engine, Target(address=engine.address), list)
         for k, workers in enumerate(args.http_workers):
             with openai_frontend(engine.address, workers) as (base, fpids):
-                rounds = [fresh(10_000 + 100 * k + r) for r in range(args.runs)]
-                target = Target(base_url=base, model=model.name, api=args.http_api, tokenizer=str(model))
-                http.append(run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers))
+                for j, api in enumerate(args.http_api):
+                    rounds = [
+                        http_workload(args, model, api, fresh(10_000 + 100 * k + 10 * j + r)) for r in range(args.runs)
+                    ]
+                    target = Target(base_url=base, model=model.name, api=api, tokenizer=str(model))
+                    http.append(
+                        (workers, api, run_shape(args, args.shapes[0], rounds, warmup, engine, target, fpids, workers))
+                    )
     return direct, http
+
+
+def http_workload(args, model: Path, api: str, requests: list[Request]) -> list[Request]:
+    """A round's requests for ``api``: the token-id route takes the prompts as a dialect's route would render them
+    where one is measured beside it (``served_as``); a dialect's route renders them itself."""
+    return as_served(str(model), served_as(args), requests) if api == "completions" else requests
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -470,8 +496,9 @@ def fan_out(r: Round) -> str:
     return f" (a message's first stream +{1e3 * first:.2f}, last +{1e3 * last:.2f} ms)"
 
 
-def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str:
-    """One table: AsyncClient's rounds, or (``workers`` > 0) those through a frontend with that many workers."""
+def report(args, offline: Offline, rounds: list[Round], workers: int = 0, api: str = "") -> str:
+    """One table: AsyncClient's rounds, or (``workers`` > 0) those through a frontend with that many workers on
+    ``api``'s route."""
     target = HTTP_TARGET if workers else THROUGHPUT_TARGET
     off_ttft = percentiles(offline.ttft)
     if workers:
@@ -525,7 +552,7 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
             )
         )
     gaps = [b - a for r in rounds for t in r.traces for a, b in pairwise(t.arrivals)]
-    via = f"HTTP ({workers} frontend worker(s))" if workers else "AsyncClient"
+    via = f"HTTP {APIS.get(api, '')} ({workers} frontend worker(s))" if workers else "AsyncClient"
     via += f", clients on {args.client_loop}"
     lines = [
         f"== {via}, stream_interval {args.stream_interval}: {args.runs} round(s) per shape; ratio: streamed ÷ the "
@@ -537,6 +564,19 @@ def report(args, offline: Offline, rounds: list[Round], workers: int = 0) -> str
         f"worst streamed ÷ offline: {worst:.3f} (target ≥ {target}): {'met' if worst >= target else 'MISSED'}",
     ]
     return "\n".join(lines)
+
+
+def parse_apis(text: str) -> list[str]:
+    apis = text.split(",")
+    if not apis or any(a not in APIS for a in apis) or len(set(apis)) < len(apis):
+        raise argparse.ArgumentTypeError(f"--http-api takes some of {', '.join(APIS)}, comma-separated, not {text!r}")
+    return apis
+
+
+def served_as(args) -> str:
+    """The route whose rendering every round's prompts take: a dialect's where one is measured (the ids as text
+    under the chat template), else the ids as they are."""
+    return next((a for a in args.http_api if a != "completions"), "completions")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -596,11 +636,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     clients.add_argument(
         "--http-api",
-        choices=["completions", "responses", "messages"],
-        default="completions",
-        help="the HTTP rounds' route: /v1/completions (token ids), or a dialect translated onto the chat route, "
-        "/v1/responses or /v1/messages (the prompt decoded to text, under the chat template: a few more prompt "
-        "tokens than offline) (default %(default)s)",
+        type=parse_apis,
+        default=["completions"],
+        help="the HTTP rounds' routes, one after another on one engine: completions (/v1/completions, token ids), "
+        "responses or messages (/v1/responses, /v1/messages: the prompt decoded to text, one user message under the "
+        "chat template). With a dialect among them, every route and the offline runs take the prompts as the "
+        "dialect's route renders them, so all do the same work (default completions)",
     )
     clients.add_argument(
         "--http-only",
@@ -655,13 +696,14 @@ def main(argv: list[str] | None = None) -> None:
         def fresh(i: int) -> list[Request]:
             return round_workload(workload, args.seed, i, hf_config.vocab_size)
 
-        # One workload per offline run, and one more for the offline TTFT.
-        offline = run_offline(args, model, [fresh(i) for i in range(args.runs + 1)], warmup, engine_kwargs)
+        # One workload per offline run, and one more for the offline TTFT; a dialect's as its route serves it.
+        offline_rounds = [as_served(str(model), served_as(args), fresh(i)) for i in range(args.runs + 1)]
+        offline = run_offline(args, model, offline_rounds, warmup, engine_kwargs)
         direct, http = run_streamed(args, model, fresh, warmup, engine_kwargs)
     if direct:
         print(report(args, offline, direct))
-    for workers, rounds in zip(args.http_workers, http):
-        print(report(args, offline, rounds, workers))
+    for workers, api, rounds in http:
+        print(report(args, offline, rounds, workers, api))
 
 
 if __name__ == "__main__":

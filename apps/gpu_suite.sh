@@ -27,9 +27,9 @@
 #                                  #   an earlier commit), in turn: new, old, new, old, ~3 min
 #   bash apps/gpu_suite.sh service # issue 30: HTTP through `nanostream serve MODEL --openai-port P` at its defaults,
 #                                  #   3 rounds of 4x64 and 1,024 connections at once, then frontend --workers 8, ~7 min
-#   bash apps/gpu_suite.sh dialects # issue 59: bench_stream.py through the Responses and the Messages APIs (8
-#                                  #   frontend workers, 3 rounds of 4x64 each against offline) on the 0.6B shape
-#                                  #   with a 151,643-token tokenizer (.gpu/tok if carried, else made), ~5 min
+#   bash apps/gpu_suite.sh dialects # issue 59: bench_stream.py through /v1/completions, the Responses and the Messages
+#                                  #   APIs (8 frontend workers, 3 rounds of 4x64 each against offline, the same prompt
+#                                  #   ids) on the 0.6B shape with a 151,643-token tokenizer (.gpu/tok if carried), ~5 min
 #   bash apps/gpu_suite.sh families # issue 32: gpt-oss-20b and Gemma-3-4B (dummy) on the bench workload and at
 #                                  #   batch 1, the window kernel section, the gpu-marked window/sink tests, ~5 min
 #   bash apps/gpu_suite.sh fp8kv   # issue 33's KV half: the FP8 KV gpu tests, the 0.6B bench with bf16 and FP8 KV
@@ -319,17 +319,15 @@ service)
         grep -v -E "INFO|Loading weights" "$out/service-w8.log" | tail -n 8
     fi ;;
 dialects)
-    # Issue 59: the Responses API, then Anthropic's Messages API, streamed through 8 frontend workers (3 rounds of
-    # 4x64 SSE streams), each round ÷ the median of three offline runs in the same call (~4 min).
+    # Issue 59: 3 rounds of 4x64 SSE streams through 8 frontend workers on each route in turn, one engine: the
+    # token-id completions route (the baseline), the Responses API, Anthropic's Messages API; each round ÷ the median
+    # of three offline runs in the same call, every route and offline on the same prompt ids (~5 min).
     python3 -m pip install -q --no-deps --no-build-isolation --target "$site" . >"$out/install.log" 2>&1 \
         || tail -n 5 "$out/install.log"
     tok_model  # the dialects send text: the random model's own 512-token tokenizer spells few of the ids
-    for api in responses messages; do
-        timeout "${DIALECT_S:-200}" python3 apps/bench_stream.py --model /tmp/qwen3-0.6b-tok \
-            --shapes 4x64 --runs 3 --http-workers 8 --http-only --http-api "$api" "$@" >"$out/dialect-$api.log" 2>&1
-        echo "== $api"; grep -v -E "INFO|Loading weights" "$out/dialect-$api.log" | tail -n 8
-        pkill -9 -f '[n]anostream (serve|frontend)'
-    done ;;
+    timeout "${DIALECT_S:-420}" python3 apps/bench_stream.py --model /tmp/qwen3-0.6b-tok --shapes 4x64 --runs 3 \
+        --http-workers 8 --http-only --http-api completions,responses,messages "$@" >"$out/dialects.log" 2>&1
+    grep -v -E "INFO|Loading weights" "$out/dialects.log" | grep -E "^(offline run|==|shape|4x64|worst)" ;;
 families)
     # Issue 32 in one call (~5 min): gpt-oss-20b and Gemma-3-4B (dummy bf16 weights) on the bench workload
     # and at batch 1, bench_kernels' window section, then the gpu-marked window, sink and MoE tests while

@@ -103,6 +103,23 @@ def _completion_body(target: Target, r: Request) -> dict:
     return {**body, "messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens}
 
 
+def as_served(model: str, api: str, requests: list[Request]) -> list[Request]:
+    """``requests`` as the server runs them on ``api``'s route: a dialect's prompt is the ids decoded to text, one user
+    message under the chat template (``_completion_body``), so offline runs on these do the streamed rounds' work
+    (ids 0-10,000 re-encode to ~5% more tokens, and the template adds its own). Completions: as they are."""
+    if api == "completions":
+        return requests
+    from nanostream.client.chat_template import render_chat
+
+    tokenizer = _tokenizer(model)
+    return [
+        Request(
+            render_chat(tokenizer, [{"role": "user", "content": tokenizer.decode(r.prompt_token_ids)}]), r.max_tokens
+        )
+        for r in requests
+    ]
+
+
 def _take_event(trace: Trace, data: str) -> int | None:
     """Record one SSE ``data:`` payload; the completion tokens if it is the usage event (or the dialects'
     last: response.completed / response.incomplete, message_delta)."""
