@@ -9,7 +9,8 @@ Each request of nano-vLLM's workload (apps/workload.py: seed 0, its prompt and o
 image's ``(size / patch)²`` patches, ``(size / patch / merge)²`` placeholder tokens between the vision start and
 end tokens, ahead of the text). The same requests then run without their images (the text alone). Printed: output
 tok/s and mean / p50 / p99 TTFT of each run, and the encoder's share: the seconds the encoder takes for all the
-images (encoded apart, in the batches a step would, synchronised) over the run with images.
+images (encoded apart, in the batches a step would, synchronised) over the run with images. The workload's ids
+that mark images (the tokenizer's image, video, vision start and end tokens) are replaced by a plain id in both runs.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def _vision_ids(llm: LLM) -> tuple[int, int]:
 
     config = AutoConfig.from_pretrained(llm.engine.model_path)
     return config.vision_start_token_id, config.vision_end_token_id
+
+
+def without_vision_ids(llm: LLM, workload: list) -> list:
+    """The workload with each id that marks images (the image, video, vision start and end tokens: the random ids
+    0-10,000 hold them where a tokenizer's specials sit low) replaced by the lowest id that marks none; the engine
+    refuses placeholders that no image fills."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(llm.engine.model_path)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    marks = {v for v in (getattr(config, n, None) for n in names) if v is not None}
+    plain = min(set(range(len(marks) + 1)) - marks)
+    return [w.Request([plain if t in marks else t for t in r.prompt_token_ids], r.max_tokens) for r in workload]
 
 
 def run(llm: LLM, prompts: list, workload: list) -> tuple[float, int, list[float]]:
@@ -108,6 +122,7 @@ def main() -> None:
         options = w.engine_options(args)
         _, _, workload = w.load_workload(args, path, options)
         with LLM(str(path), **options) as llm:
+            workload = without_vision_ids(llm, workload)
             with_images = image_requests(llm, workload, args.image_size)
             text_only = [(r.prompt_token_ids, []) for r in workload]
             run(llm, with_images[:2], [w.Request(r.prompt_token_ids, 8) for r in workload[:2]])  # warm-up

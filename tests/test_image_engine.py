@@ -280,5 +280,8 @@ def test_on_a_gpu_images_give_the_cpu_engines_tokens(backend, vl):
     requests = [_request(vl, parts, seed=i) for i, parts in enumerate(REQUESTS.values())]
     inputs = [(ids, images) for ids, images, _, _ in requests]
     cpu, _ = _run(_engine(vl), inputs, 12)
-    gpu, _ = _run(_engine(vl, device="cuda", attention_backend=backend, max_num_seqs=8), inputs, 12)
+    # (the torch backend's float32 experts have no grouped_mm on CUDA to capture: the MoE model decodes eagerly there)
+    eager = backend == "torch" and "Moe" in type(vl[1]).__name__
+    options = dict(device="cuda", attention_backend=backend, max_num_seqs=8, enforce_eager=eager)
+    gpu, _ = _run(_engine(vl, **options), inputs, 12)
     assert gpu == cpu
