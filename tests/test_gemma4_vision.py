@@ -130,7 +130,7 @@ def test_an_image_processor_saved_the_transformers_5_way_is_read(checkpoint, tmp
     import shutil
 
     from nanostream.client.tokenizer_cache import load_image_preparer, load_tokenizer
-    from nanostream.engine.process.server import files_digest, tokenizer_files
+    from nanostream.engine.process.welcome_files import files_digest, tokenizer_files
 
     path = shutil.copytree(checkpoint, tmp_path / "saved")
     nested = {"image_processor": json.loads((path / "preprocessor_config.json").read_text()), "image_seq_length": 70}

@@ -34,6 +34,11 @@ PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json")
 second (transformers 5's ``ProcessorMixin.save_pretrained`` writes only that one); AutoImageProcessor reads both."""
 
 
+def processor_files(path: Path) -> dict[str, bytes]:
+    """The files a client needs to prepare this checkpoint's images itself: its config and image processor."""
+    return {n: (path / n).read_bytes() for n in ("config.json", *PROCESSOR_FILES) if (path / n).is_file()}
+
+
 def has_image_processor(path: str | os.PathLike) -> bool:
     """Whether the checkpoint directory holds an image processor in either of ``PROCESSOR_FILES``."""
     path = Path(path)

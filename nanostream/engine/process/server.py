@@ -15,13 +15,11 @@ client's liveness by its heartbeats, counted from its hello.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
 import secrets
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +32,7 @@ from nanostream.engine.llm_engine import LLMEngine
 from nanostream.engine.process.address import SelfProbe, check_bind_address, default_address
 from nanostream.engine.process.request_book import Client, RequestBook
 from nanostream.engine.process.transport import DISCONNECTED, NOT_READING, Transport
+from nanostream.engine.process.welcome_files import files_digest, tokenizer_files
 from nanostream.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
@@ -46,31 +45,6 @@ _ADD_STEPS_PER_ITERATION = 2  # Adds read per iteration: up to this many steps' 
 
 class EngineFailure(RuntimeError):
     """The engine cannot go on (a tensor-parallel worker died or hung): every client is told, the process exits."""
-
-
-def tokenizer_files(path: Path, images: Path | None = None) -> tuple[dict[str, bytes], str | None]:
-    """The tokenizer as files a client can load on its own, and its chat template; ``images``: the directory of a
-    vision-language model whose image processor and config go with them (the client prepares the images)."""
-    from transformers import AutoTokenizer
-
-    from nanostream.multimodal.processor import PROCESSOR_FILES
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        files = {f.name: f.read_bytes() for f in Path(tmp).iterdir() if f.is_file()}
-    if images is not None:
-        names = ("config.json", *PROCESSOR_FILES)
-        files |= {n: (images / n).read_bytes() for n in names if (images / n).is_file()}
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-    return files, template
-
-
-def files_digest(files: dict[str, bytes]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-    return digest.hexdigest()[:32]
 
 
 class EngineServer:
