@@ -11,6 +11,13 @@ import torch
 # the test run's own, never in the user's: a client given no address finds only what a test started.
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ns-run-")
 
+# Under pytest-xdist (-n N) each worker takes its share of the cores for torch's threads (and the processes it
+# starts, through OMP_NUM_THREADS), so N workers do not oversubscribe the machine.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) > 1:
+    share = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
 # Without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before any
 # kernel module is imported.
 if not torch.cuda.is_available():
