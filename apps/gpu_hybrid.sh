@@ -16,7 +16,7 @@
 #                                   #   whole on an H200) likewise, and at 8 x 32k tokens with its chunked layers, then full
 #   bash apps/gpu_hybrid.sh mla     # apps/mla_sweep.py (the MLA kernel's tiles); Moonlight-16B-A3B (bf16, dummy): the
 #                                   #   bench workload and batch 1, the pool's size
-# Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them). Logs go to $OUT.
+# Carried: .whl/ (the wheels the GPU image lacks, fla-core and einops among them: bash apps/gpu_wheels.sh). Logs go to $OUT.
 set -uo pipefail
 stage=${1:?usage: gpu_hybrid.sh tests|first|engine|bench|moe|htests|long|turns|images|families|mla}
 site=/tmp/nanostream-site

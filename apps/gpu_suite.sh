@@ -42,7 +42,7 @@
 #                                  #   SOAK_DTYPES=float32 for one)
 #   bash apps/gpu_suite.sh structured  # apps/bench_structured.py (json at 0.5, regex at 1.0) on the preset with
 #                                  #   a carried 151,643-token tokenizer (TOKENIZER dir), ~2 min
-# Carried (git-ignored): .whl/ (cp312 wheels of what the GPU image lacks: pyzmq, msgspec; jsonschema,
+# Carried (git-ignored): .whl/ (bash apps/gpu_wheels.sh: cp312 wheels of what the GPU image lacks: pyzmq, msgspec; jsonschema,
 # jsonschema-specifications, referencing, rpds-py for test_gpu_structured.py; xgrammar, apache-tvm-ffi, pydantic,
 # pydantic-core, annotated-types, typing-inspection for structured output), .gpu/fa4/{a,b} (made by
 # ../shared/gpu/fa4-prepare.sh), .gpu/tools/ (fa4-install.sh, fa4-smoke.py), .gpu/corpus (train).
