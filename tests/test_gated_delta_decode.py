@@ -126,6 +126,39 @@ def test_a_layers_decode_step_in_place_gives_the_reference_path(layout, snapshot
         torch.testing.assert_close(kernels, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("prompts", ["per-sequence", "varlen"])
+def test_decoding_sequences_beside_prompt_chunks_take_the_decode_kernel_in_place(layout, prompts):
+    """A step of prompt chunks and one-token sequences (continuous batching's usual step): the one-token sequences
+    run through the decode kernels at their slots, as a decode step's would, the chunks through the prompt path on
+    their own gathered states; outputs, live slots, snapshots and untouched slots as the reference path gives them.
+    A one-token sequence with a snapshot before its token goes with the chunks."""
+    from test_delta_rule_fla import torch_varlen
+
+    _, ours = make_layers(layout)
+    lengths, slots = [13, 1, 9, 1, 1], [4, 0, 2, 8, 9]
+    snapshots = [(0, 5, 5), (1, 1, 6), (2, 9, 7), (4, 0, 1)]  # (b, after n tokens, into slot)
+    conv, ssm = random_states(ours.spec, 11)
+    hidden = torch.randn(sum(lengths), SIZES["hidden_size"])
+    decoded = []
+
+    def decode(qkv, g, beta, weight, conv_pool, ssm_pool, at, k_heads, dk):
+        decoded.append(at.tolist())
+        return decode_step(qkv, g, beta, weight, conv_pool, ssm_pool, at, k_heads, dk)
+
+    results = []
+    for kernels in (False, True):
+        ours.decode = decode if kernels else None
+        ours.varlen = torch_varlen if kernels and prompts == "varlen" else None
+        cache = StateCache((conv.clone(), ssm.clone()))
+        with torch.no_grad():
+            out = ours(hidden, step_context(lengths, cache, slots, snapshots))
+        results.append((out, *cache.tensors))
+    assert decoded == [[0, 8]]  # sequences 1 and 3; sequence 4's snapshot before its token sends it with the chunks
+    for reference, kernels in zip(*results, strict=True):
+        torch.testing.assert_close(kernels, reference, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("k_heads", "hv"), [(16, 32), (16, 64)], ids=["hv32", "hv64"])
 def test_decode_kernels_at_the_real_heads_eager_and_in_a_cuda_graph(k_heads, hv):

@@ -114,6 +114,7 @@ class StateMetadata:
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     zero: list[int] = field(default_factory=list)  # slots zeroed before the forward (fresh sequences) ...
     restore: list[tuple[int, int]] = field(default_factory=list)  # ... and (dst, src) copied: the runner's job
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # what a step's layers share (recurrent_pieces)
 
     def decode_copies(self) -> list[tuple[int, int]] | None:
         """A decode step's snapshots (each after its chunk's one token) as (snapshot slot, live slot) copies to make

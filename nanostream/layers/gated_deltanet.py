@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor, copy_rows
+from nanostream.layers.cache_spec import RecurrentState, StateCache, StateMetadata, StateTensor, copy_rows
 from nanostream.layers.delta_rule import GatedDeltaNetSpec, GatedRMSNorm, causal_conv1d, gated_delta_rule
 from nanostream.layers.delta_rule_fla import DecodeRule, Heads, VarlenRule, varlen_with_snapshots
 from nanostream.layers.linear import Gemm, MergedColumnLinear, TensorSlice, row_parallel_linear
-from nanostream.layers.recurrent_pieces import advance_in_pieces
+from nanostream.layers.recurrent_pieces import advance_in_pieces, one_token_rows
 
 if TYPE_CHECKING:
     from nanostream.layers.attention import ForwardContext
@@ -144,9 +144,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.mix(None, self.in_proj(hidden), ctx))
 
     def mix(self, positions: torch.Tensor | None, projected: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``in_proj``'s output [T, P] -> the gated norm's [T, Hv' Dv], the states advanced: each sequence's rows
-        gathered from the pool, its tokens run (cut where a snapshot is asked for, copied there), written back.
-        ``positions`` are not read (the layer has no position embedding)."""
+        """``in_proj``'s output [T, P] -> the gated norm's [T, Hv' Dv], the states advanced: one-token sequences in
+        place at their slots (the decode kernel); the others' rows gathered from the pool, run (cut where a snapshot
+        is asked for, copied there), written back. ``positions`` are not read (no position embedding here)."""
         cache, states = ctx.kv_caches[self.layer_idx], ctx.states
         if not isinstance(cache, StateCache) or states is None:
             raise TypeError(
@@ -154,31 +154,48 @@ class GatedDeltaNet(nn.Module):
                 f"{type(cache).__name__} and {type(states).__name__}"
             )
         conv_pool, ssm_pool = cache.tensors  # [slots, C', K-1], [slots, Hv', Dk, Dv]
+        qkv, z, beta, g = self._gates(projected)
+        weight, dk = self.conv1d.weight[:, 0], self.spec.head_k_dim
         copies = states.decode_copies() if self.decode is not None and ctx.attn.is_decode else None
         if copies is not None:  # a token a sequence, in place at the slots (a CUDA graph replays this)
-            qkv, z, beta, g = self._gates(projected)
-            weight, dk = self.conv1d.weight[:, 0], self.spec.head_k_dim
             core = self.decode(qkv, g, beta, weight, conv_pool, ssm_pool, states.slots, self.num_k_heads, dk)
             copy_rows(cache, copies)
             return self.norm(core, z).flatten(1)
         bounds = ctx.attn.cu_seqlens_q_host
         if len(bounds) != len(states.slots_host) + 1:
             raise ValueError(f"{len(bounds) - 1} sequences in the step, {len(states.slots_host)} state slots")
+        split = one_token_rows(states, bounds, qkv.device) if self.decode is not None else None
+        if split is None:
+            core = self._prompt_rows((qkv, g, beta), bounds, ctx.attn.cu_seqlens_q, states, cache)
+        else:  # decoding sequences beside prompt chunks: the former as a decode step runs them, in place
+            t, rest = split.tokens, split.rest_tokens
+            core = z.new_empty(z.shape)
+            core[t] = self.decode(qkv[t], g[t], beta[t], weight, conv_pool, ssm_pool, split.slots, self.num_k_heads, dk)
+            copy_rows(cache, split.copies)
+            gates = (qkv[rest], g[rest], beta[rest])
+            core[rest] = self._prompt_rows(gates, split.rest_bounds, split.rest_cu, split.rest, cache)
+        return self.norm(core, z).flatten(1)
+
+    def _prompt_rows(
+        self, gates: tuple, bounds: list[int], cu_seqlens: torch.Tensor, states: StateMetadata, cache: StateCache
+    ) -> torch.Tensor:
+        """Sequence b's tokens ``bounds[b]:bounds[b+1]`` (``gates``: their qkv, g, beta) from its state (row
+        ``states.slots[b]`` of the pools, gathered, advanced, written back), snapshots taken where ``states`` asks: the
+        delta rule's output [T, Hv', Dv]."""
+        (qkv, g, beta), (conv_pool, ssm_pool) = gates, cache.tensors
         conv, ssm = conv_pool.index_select(0, states.slots), ssm_pool.index_select(0, states.slots)  # copies
         cuts = [states.snapshots_of(b) for b in range(len(states.slots_host))]
         if self.varlen is None:
-            out = self._mix_rows(projected, bounds, conv, ssm, cuts, (conv_pool, ssm_pool))
+            core = self._advance_rows(qkv, g, beta, bounds, conv, ssm, cuts, cache.tensors)
         else:
-            qkv, z, beta, g = self._gates(projected)
             heads = Heads(self.num_k_heads, self.spec.head_k_dim, self.num_v_heads, self.spec.head_v_dim)
+            weight = self.conv1d.weight[:, 0]
             core = varlen_with_snapshots(
-                qkv, g, beta, self.conv1d.weight[:, 0], conv, ssm, bounds, ctx.attn.cu_seqlens_q, cuts,
-                (conv_pool, ssm_pool), heads, self.varlen,
-            )  # fmt: skip
-            out = self.norm(core, z).flatten(1)
+                qkv, g, beta, weight, conv, ssm, bounds, cu_seqlens, cuts, cache.tensors, heads, self.varlen
+            )
         conv_pool.index_copy_(0, states.slots, conv)
         ssm_pool.index_copy_(0, states.slots, ssm)
-        return out
+        return core
 
     def step(
         self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor
@@ -188,28 +205,31 @@ class GatedDeltaNet(nn.Module):
         [B, Hv', Dk, Dv] (float32) hold each sequence's state before the step and are updated in place to its
         state after (views of a pool; rows gathered by an index tensor are copies, to be scattered back). [T, H]."""
         bounds = self._bounds(hidden, cu_seqlens, conv_states, ssm_states)
+        qkv, z, beta, g = self._gates(self.in_proj(hidden))
         cuts = [[] for _ in range(len(bounds) - 1)]
-        return self.out_proj(self._mix_rows(self.in_proj(hidden), bounds, conv_states, ssm_states, cuts, None))
+        core = self._advance_rows(qkv, g, beta, bounds, conv_states, ssm_states, cuts, None)
+        return self.out_proj(self.norm(core, z).flatten(1))
 
-    def _mix_rows(
+    def _advance_rows(
         self,
-        projected: torch.Tensor,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
         bounds: list[int],
         conv: torch.Tensor,
         ssm: torch.Tensor,
         cuts: list[list[tuple[int, int]]],
-        pools: tuple[torch.Tensor, torch.Tensor] | None,
+        pools: tuple[torch.Tensor, ...] | None,
     ) -> torch.Tensor:
-        """Sequence b's tokens from its states ``conv[b]``, ``ssm[b]`` (advanced in place), copied into row ``slot``
-        of ``pools`` after its first n tokens for each (n, slot) of ``cuts[b]``; the gated norm's output [T, Hv' Dv]."""
-        qkv, z, beta, g = self._gates(projected)
-        core = z.new_empty(z.shape)  # [T, Hv', Dv]
+        """Sequence b's tokens from its states ``conv[b]``, ``ssm[b]`` (advanced in place), copied into row ``slot`` of
+        ``pools`` after its first n tokens for each (n, slot) of ``cuts[b]``: the delta rule's output [T, Hv', Dv]."""
+        core = qkv.new_empty(qkv.shape[0], self.num_v_heads, self.spec.head_v_dim)
 
         def advance(piece: slice, i: int) -> None:
             core[piece] = self._advance(qkv[piece], g[piece], beta[piece], conv[i], ssm[i])
 
         advance_in_pieces(bounds, cuts, (conv, ssm), pools, advance)
-        return self.norm(core, z).flatten(1)
+        return core
 
     def _gates(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qkv [T, C'], z [T, Hv', Dv], beta [T, Hv'], g [T, Hv'] float32 log decay) of ``in_proj``'s [T, P]."""
