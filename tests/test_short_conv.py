@@ -47,3 +47,35 @@ def test_a_decode_step_in_place_gives_the_reference_path(snapshots, kernel):
         torch.testing.assert_close(results[0][1][slot], state.detach())
     untouched = [s for s in range(8) if s not in slots and s not in {n for _, _, n in snapshots}]
     torch.testing.assert_close(results[1][1][untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("kernel", [2, 4])
+def test_decoding_sequences_beside_prompt_chunks_take_the_decode_kernel_in_place(kernel):
+    # A step of prompt chunks and one-token sequences: the latter through the kernel at their slots, as a decode
+    # step's (a one-token sequence with a snapshot before its token goes with the chunks); outputs, live states,
+    # snapshots and untouched slots as the reference path gives them.
+    torch.manual_seed(kernel)
+    layer = ShortConv(ShortConvSpec(hidden_size=48, kernel=kernel))
+    with torch.no_grad():
+        for param in layer.parameters():
+            torch.nn.init.normal_(param, std=0.5)
+    lengths, slots = [7, 1, 5, 1, 1], [4, 0, 2, 8, 9]
+    snapshots = [(0, 3, 5), (1, 1, 6), (2, 5, 7), (4, 0, 1)]
+    pool = torch.randn(11, 48, kernel - 1)
+    projected = torch.randn(sum(lengths), 3 * 48)
+    decoded = []
+
+    def decode(x, weight, state, at):
+        decoded.append(at.tolist())
+        return short_conv_decode(x, weight, state, at)
+
+    results = []
+    for kernels in (False, True):
+        layer.decode = decode if kernels else None
+        cache = StateCache((pool.clone(),))
+        with torch.no_grad():
+            out = layer.mix(None, projected, step_context(lengths, cache, slots, snapshots))
+        results.append((out, *cache.tensors))
+    assert decoded == [[0, 8]]
+    for reference, kernels in zip(*results, strict=True):
+        torch.testing.assert_close(kernels, reference, rtol=1e-6, atol=1e-6)

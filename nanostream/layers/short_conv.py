@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanostream.distributed.group import SINGLE, TensorParallel
-from nanostream.layers.cache_spec import RecurrentState, StateCache, StateTensor, copy_rows
+from nanostream.layers.cache_spec import RecurrentState, StateCache, StateMetadata, StateTensor, copy_rows
 from nanostream.layers.delta_rule import causal_conv1d
 from nanostream.layers.gated_deltanet import ConvWeight
 from nanostream.layers.linear import Gemm, MergedColumnLinear, row_parallel_linear
-from nanostream.layers.recurrent_pieces import advance_in_pieces
+from nanostream.layers.recurrent_pieces import advance_in_pieces, one_token_rows
 
 if TYPE_CHECKING:
     from nanostream.layers.attention import ForwardContext
@@ -88,6 +88,27 @@ class ShortConv(nn.Module):
             copy_rows(cache, copies)
             return c * y
         bounds = ctx.attn.cu_seqlens_q_host
+        split = one_token_rows(states, bounds, bx.device) if self.decode is not None else None
+        if split is None:
+            return self._prompt_rows(bx, c, weight, bounds, states, pool)
+        # decoding sequences beside prompt chunks: the former in place at their slots, as a decode step runs them
+        t, rest, out = split.tokens, split.rest_tokens, torch.empty_like(bx)
+        out[t] = c[t] * self.decode(bx[t], weight, pool, split.slots)
+        copy_rows(cache, split.copies)
+        out[rest] = self._prompt_rows(bx[rest], c[rest], weight, split.rest_bounds, split.rest, pool)
+        return out
+
+    def _prompt_rows(
+        self,
+        bx: torch.Tensor,
+        c: torch.Tensor,
+        weight: torch.Tensor,
+        bounds: list[int],
+        states: StateMetadata,
+        pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sequence b's tokens ``bounds[b]:bounds[b+1]`` from row ``states.slots[b]`` of ``pool`` (gathered,
+        advanced, written back; snapshots copied where ``states`` asks): the gated conv's output [T, H']."""
         out = torch.empty_like(bx)
         conv = pool.index_select(0, states.slots)  # copies, [B, H', K-1]
 
