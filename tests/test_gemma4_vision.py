@@ -49,7 +49,7 @@ def _images(seed: int) -> list[Image.Image]:
 def test_the_tower_is_gemma4s(checkpoint):
     tower = vision_tower(read_model_config(checkpoint))
     assert isinstance(tower.spec, Gemma4VisionSpec) and tower.merge == 2
-    assert not tower.bidirectional and tower.bidirectional_layers == "sliding"  # the preset's text config: causal
+    assert tower.both_ways is None  # the preset's text config: its images attend causally
     assert tower.image_token_id == AutoTokenizer.from_pretrained(checkpoint).image_token_id
     assert tower.spec.patch_pixels == 3 * 4 * 4 and tower.spec.num_tokens((1, 10, 24)) == 60
 
@@ -57,7 +57,7 @@ def test_the_tower_is_gemma4s(checkpoint):
 def test_images_attend_both_ways_on_sliding_layers_where_the_config_says_vision(tmp_path):
     preset = dict(TINY_PRESETS["gemma4_vl"], use_bidirectional_attention="vision", weights=False)
     tower = vision_tower(read_model_config(make_tiny_model(tmp_path, **preset)))
-    assert tower.bidirectional and tower.bidirectional_layers == "sliding"
+    assert tower.both_ways == "sliding"
 
 
 @pytest.mark.parametrize("count", [1, 2])

@@ -35,7 +35,7 @@ def _patch_rows(pixel_values: torch.Tensor, p: int) -> torch.Tensor:
 
 def test_the_tower_is_gemma3s(checkpoint):
     tower = vision_tower(read_model_config(checkpoint))
-    assert isinstance(tower.spec, SiglipSpec) and tower.bidirectional and tower.merge == 2
+    assert isinstance(tower.spec, SiglipSpec) and tower.both_ways == "all" and tower.merge == 2
     assert tower.image_token_id == AutoTokenizer.from_pretrained(checkpoint).image_token_id
     assert tower.spec.grid == (1, 4, 4) and tower.spec.patch_pixels == 3 * 14 * 14
 

@@ -89,15 +89,14 @@ class DecoderModel(nn.Module):
         x, residual = self.embed(input_ids), None
         if embeds is not None:
             x = embeds.write_over(x)
-        if self.per_layer_embedding is not None:  # Gemma 4's, [T, L, P]: an image token's id there is the pad's
-            ids = input_ids if embeds is None else input_ids.index_fill(0, embeds.index, self.pad_token_id)
-            inputs = self.per_layer_embedding(ids, x)
         if self.per_layer_embedding is None:
             for i, layer in enumerate(self.layers):
                 x, residual = layer(positions, x, residual, ctx)
                 if embeds is not None and i < len(embeds.deepstack):  # Qwen3-VL's DeepStack: images' features
                     x, residual = embeds.add_level(i, x, residual), None
-        else:
+        else:  # Gemma 4's per-layer inputs, [T, L, P]: an image token's id there is the pad's
+            ids = input_ids if embeds is None else input_ids.index_fill(0, embeds.index, self.pad_token_id)
+            inputs = self.per_layer_embedding(ids, x)
             for i, layer in enumerate(self.layers):
                 x, residual = layer(positions, x, residual, ctx, inputs[:, i])
         return self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -54,21 +54,19 @@ ENCODERS: dict[type, type[torch.nn.Module]] = {
 @dataclasses.dataclass(frozen=True)
 class VisionTower:
     """A checkpoint's vision encoder and how its images sit in a prompt: each image is ``t*h*w / merge²``
-    consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace. ``bidirectional``: an
-    image's tokens attend to each other both ways in the language model (Gemma 3's), not causally (Qwen's), on the
-    layers ``bidirectional_layers`` names: "all" (Gemma 3's) or "sliding" (Gemma 4's: its full layers stay causal).
+    consecutive ``image_token_id`` tokens, whose embeddings the encoder's rows replace. ``both_ways``: the layers of
+    the language model where an image's tokens attend to each other both ways, "all" (Gemma 3's) or "sliding" (Gemma
+    4's windowed layers, where its config says "vision"; its full layers stay causal); None: causally (Qwen's).
     ``spec.grid_error(grid)`` says why the tower cannot take an image's grid (None: it can)."""
 
     spec: QwenVisionSpec | QwenWindowedSpec | SiglipSpec | Gemma4VisionSpec
     image_token_id: int
-    bidirectional: bool = False
-    bidirectional_layers: str = "all"
+    both_ways: str | None = None
 
     @property
-    def both_ways(self) -> str | None:
-        """Which layers of the language model see each image whole: "all" (Gemma 3), "sliding" (Gemma 4's windowed
-        layers); None: none, its tokens attend causally (Qwen)."""
-        return self.bidirectional_layers if self.bidirectional else None
+    def bidirectional(self) -> bool:
+        """Whether an image's tokens see each other both ways in any layer (a chunk never cuts such an image)."""
+        return self.both_ways is not None
 
     @property
     def merge(self) -> int:
@@ -100,9 +98,9 @@ def vision_tower(model: Any) -> VisionTower | None:
     image_token_id = getattr(config, "image_token_id", None)
     image_token_id = getattr(config, "image_token_index", None) if image_token_id is None else image_token_id
     if model.architecture == "Gemma4ForConditionalGeneration":
-        both_ways = getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+        vision_both_ways = getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
         spec = Gemma4VisionSpec.from_config(config)
-        return VisionTower(spec, int(image_token_id), bidirectional=both_ways, bidirectional_layers="sliding")
+        return VisionTower(spec, int(image_token_id), both_ways="sliding" if vision_both_ways else None)
     if model.architecture in GEMMA_TOWERS:
-        return VisionTower(SiglipSpec.from_config(config), int(image_token_id), bidirectional=True)
+        return VisionTower(SiglipSpec.from_config(config), int(image_token_id), both_ways="all")
     return VisionTower(vision_spec(vision), int(image_token_id))
