@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import workload as w
+from transformers import AutoConfig
 
 from nanostream import LLM
 from nanostream.engine.images import check_images
@@ -28,7 +29,7 @@ from nanostream.options import add_engine_args
 from nanostream.protocol import ImageInput
 
 
-def image_requests(llm: LLM, workload: list, size: int) -> list[tuple[list[int], list[ImageInput]]]:
+def image_requests(llm: LLM, config, workload: list, size: int) -> list[tuple[list[int], list[ImageInput]]]:
     """(prompt ids, [its one image]) of each request: the image's placeholders first, then the workload's ids."""
     tower = llm.engine.vision
     if tower is None:
@@ -36,7 +37,7 @@ def image_requests(llm: LLM, workload: list, size: int) -> list[tuple[list[int],
     side = size // tower.spec.patch_size // tower.merge * tower.merge  # patches a side, whole merged tokens
     grid = (1, side, side)
     tokens = side * side // tower.merge**2
-    start, end = _vision_ids(llm)
+    start, end = config.vision_start_token_id, config.vision_end_token_id
     rng = np.random.default_rng(0)
     requests = []
     for r in workload:
@@ -46,20 +47,10 @@ def image_requests(llm: LLM, workload: list, size: int) -> list[tuple[list[int],
     return requests
 
 
-def _vision_ids(llm: LLM) -> tuple[int, int]:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(llm.engine.model_path)
-    return config.vision_start_token_id, config.vision_end_token_id
-
-
-def without_vision_ids(llm: LLM, workload: list) -> list:
+def without_vision_ids(config, workload: list) -> list:
     """The workload with each id that marks images (the image, video, vision start and end tokens: the random ids
     0-10,000 hold them where a tokenizer's specials sit low) replaced by the lowest id that marks none; the engine
-    refuses placeholders that no image fills."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(llm.engine.model_path)
+    refuses placeholders that no image fills. ``config``: the model's (transformers')."""
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     marks = {v for v in (getattr(config, n, None) for n in names) if v is not None}
     plain = min(set(range(len(marks) + 1)) - marks)
@@ -122,8 +113,9 @@ def main() -> None:
         options = w.engine_options(args)
         _, _, workload = w.load_workload(args, path, options)
         with LLM(str(path), **options) as llm:
-            workload = without_vision_ids(llm, workload)
-            with_images = image_requests(llm, workload, args.image_size)
+            config = AutoConfig.from_pretrained(llm.engine.model_path)
+            workload = without_vision_ids(config, workload)
+            with_images = image_requests(llm, config, workload, args.image_size)
             text_only = [(r.prompt_token_ids, []) for r in workload]
             run(llm, with_images[:2], [w.Request(r.prompt_token_ids, 8) for r in workload[:2]])  # warm-up
             results = [("images", *run(llm, with_images, workload)), ("text only", *run(llm, text_only, workload))]
